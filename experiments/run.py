@@ -1,0 +1,62 @@
+r"""The one entry point for servax experiments.
+
+    python -m experiments.run --config=experiments/baseline/baseline.py:small
+
+The config file's `get_config(arg)` returns an ml_collections ConfigDict whose
+`experiment` names a module with `run(config) -> Report`. Results go to
+`<workdir>/<config.run_name>/{results.json, table.md, plot.png}`; the table is printed.
+Global JAX settings (x64, matmul precision, host device count) are set here only.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "results", "where result folders are written")
+_HOST_DEVICES = flags.DEFINE_integer(
+    "host_devices", None, "simulate this many CPU devices (XLA host platform); "
+    "defaults to config.host_devices when the config has it")
+
+
+def _set_platform_flags(config) -> None:
+    n = _HOST_DEVICES.value or config.get("host_devices", None)
+    if n:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={int(n)}")
+
+
+def main(argv) -> None:
+    del argv
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config=experiments/<name>/<run>.py:<small|full> is required")
+    for key in ("experiment", "run_name", "seed"):
+        if key not in config:
+            raise app.UsageError(f"config is missing the required key {key!r}")
+    _set_platform_flags(config)
+    import jax  # after XLA_FLAGS are final
+    jax.config.update("jax_default_matmul_precision", config.get("matmul_precision",
+                                                                  "highest"))
+    from experiments import common
+    module = importlib.import_module(config.experiment)
+    logging.info("running %s (%s)", config.run_name, config.experiment)
+    t0 = time.perf_counter()
+    report = module.run(config)
+    elapsed = time.perf_counter() - t0
+    out_dir = Path(_WORKDIR.value) / config.run_name
+    common.write_results(report, out_dir, config.to_dict(), config.seed, sys.argv, elapsed)
+    print(common.render_markdown(report))
+    print(f"wrote {out_dir}/results.json, table.md" + (", plot.png" if report.plot else "")
+          + f" in {elapsed:.0f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity over held-out text."""

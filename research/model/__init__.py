@@ -1,0 +1,9 @@
+"""Llama-family model: config, forward, GGUF loader, tokenizer."""
+from research.model.config import GLOBAL, SLIDING, ModelConfig, MoEConfig, tiny_config
+from research.model.gguf_loader import GGUFError, default_gguf_path, load
+from research.model.llama import ForwardOutput, Model, forward, init_params, make_model
+from research.model.tokenizer import Tokenizer
+
+__all__ = ["GLOBAL", "SLIDING", "ModelConfig", "MoEConfig", "tiny_config", "GGUFError",
+           "default_gguf_path", "load", "ForwardOutput", "Model", "forward", "init_params",
+           "make_model", "Tokenizer"]

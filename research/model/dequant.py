@@ -1,0 +1,71 @@
+"""GGUF tensor dequantization in numpy (servax's own; tests check it against `gguf.quants`).
+
+Block formats (32 weights per block, little endian):
+  Q8_0: f16 scale d, 32 x int8 q            -> w = d * q
+  Q4_0: f16 d, 16 bytes of nibbles          -> w = d * (q - 8)
+  Q4_1: f16 d, f16 m, 16 bytes of nibbles   -> w = d * q + m
+Nibble layout: byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+
+
+class UnsupportedQuantization(ValueError):
+    pass
+
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if raw.size % block_bytes:
+        raise ValueError(f"{raw.size} bytes is not a whole number of {block_bytes}-byte blocks")
+    return raw.reshape(-1, block_bytes)
+
+
+def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    return blocks[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
+
+
+def dequant_q8_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + BLOCK)
+    return (_f16(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+
+
+def dequant_q4_0(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 2 + BLOCK // 2)
+    return (_f16(b, 0) * (_nibbles(b[:, 2:]) - 8.0)).reshape(-1)
+
+
+def dequant_q4_1(raw: np.ndarray) -> np.ndarray:
+    b = _blocks(raw, 4 + BLOCK // 2)
+    return (_f16(b, 0) * _nibbles(b[:, 4:]) + _f16(b, 2)).reshape(-1)
+
+
+def _float(dtype):
+    return lambda raw: np.ascontiguousarray(raw).view(np.uint8).view(dtype).astype(np.float32)
+
+
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    u16 = np.ascontiguousarray(raw).view(np.uint8).view(np.uint16).astype(np.uint32)
+    return (u16 << 16).view(np.float32)
+
+
+DEQUANTIZERS = {"F32": _float(np.float32), "F16": _float(np.float16), "BF16": _bf16,
+                "Q8_0": dequant_q8_0, "Q4_0": dequant_q4_0, "Q4_1": dequant_q4_1}
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Dequantize GGUF tensor bytes to f32 with numpy `shape` (GGUF dims reversed)."""
+    if type_name not in DEQUANTIZERS:
+        raise UnsupportedQuantization(
+            f"GGUF tensor type {type_name} is not supported; supported: {sorted(DEQUANTIZERS)}")
+    flat = DEQUANTIZERS[type_name](raw)
+    if flat.size != int(np.prod(shape)):
+        raise ValueError(f"tensor data holds {flat.size} values, expected {shape=}")
+    return flat.reshape(shape)

@@ -1,0 +1,86 @@
+"""Pure building blocks of a Llama decoder: RMSNorm, RoPE, SwiGLU and a routed MoE FFN."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Array:
+    """RMSNorm computed in f32, returned in the input dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_angles(positions: Int[Array, "..."], head_dim: int, theta: float) -> Array:
+    """Rotation angles [..., head_dim // 2] for the given absolute positions."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    return positions.astype(jnp.float32)[..., None] * inv_freq
+
+
+def apply_rope(x: Float[Array, "B T H D"], positions: Int[Array, "B T"], theta: float) -> Array:
+    """Rotary embedding, half-split convention: channel i rotates with channel i + D/2.
+
+    This is Hugging Face's `rotate_half` layout; the GGUF loader un-permutes llama.cpp's
+    interleaved Q/K rows into it, so channel pairs are (i, i + D/2) everywhere in servax.
+    """
+    half = x.shape[-1] // 2
+    ang = rope_angles(positions, x.shape[-1], theta)[:, :, None, :]  # [B, T, 1, D/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def swiglu(x: Float[Array, "... D"], w_gate: Array, w_up: Array, w_down: Array) -> Array:
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class Routing(NamedTuple):
+    """What the router decided for N tokens (kept for load statistics and MoE research)."""
+
+    logits: Float[Array, "N E"]
+    expert_ids: Int[Array, "N K"]
+    weights: Float[Array, "N K"]
+
+
+def route(x: Float[Array, "N D"], router: Float[Array, "D E"], top_k: int,
+          renormalize: bool) -> Routing:
+    logits = (x @ router).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, expert_ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(logits, expert_ids, weights)
+
+
+def sort_by_expert(expert_ids: Int[Array, "N K"], n_experts: int):
+    """Order of the N*K (token, slot) assignments grouped by expert, and group sizes."""
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    return order, group_sizes
+
+
+def expert_ffn(x_sorted: Float[Array, "M D"], group_sizes: Int[Array, "E"], w_gate: Array,
+               w_up: Array, w_down: Array) -> Array:
+    """SwiGLU of expert-sorted rows with ragged (dropless) group sizes."""
+    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+
+
+def moe_ffn(x: Float[Array, "N D"], p: dict, top_k: int, renormalize: bool):
+    """Dropless top-k MoE FFN. Returns (y [N, D], Routing)."""
+    n_experts = p["router"].shape[-1]
+    routing = route(x, p["router"], top_k, renormalize)
+    order, group_sizes = sort_by_expert(routing.expert_ids, n_experts)
+    token_of = order // top_k
+    y_sorted = expert_ffn(x[token_of], group_sizes, p["w_gate"], p["w_up"], p["w_down"])
+    w_sorted = routing.weights.reshape(-1)[order].astype(y_sorted.dtype)
+    y = jnp.zeros_like(x).at[token_of].add(y_sorted * w_sorted[:, None])
+    return y, routing

@@ -1,0 +1,200 @@
+"""Llama-family decoder as pure functions over a params pytree.
+
+Params layout (weights are [in, out] so activations multiply on the left):
+
+    {"embed": [V, D], "final_norm": [D], ("lm_head": [D, V] when not tied),
+     "layers": ({"attn_norm": [D], "wq": [D, Hq*Dh], "wk": [D, Hkv*Dh], "wv": [D, Hkv*Dh],
+                 "wo": [Hq*Dh, D], "ffn_norm": [D],
+                 dense FFN: "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]
+                 MoE FFN:   "router": [D, E], "w_gate": [E, D, F'], "w_up": [E, D, F'],
+                            "w_down": [E, F', D]}, ...)}
+
+A `Model` bundles config (static), params and one `KVCache` per layer; transforms return
+new Models. `forward` runs a chunk of tokens either without a cache (training, calibration)
+or through the per-layer caches (prefill and decode).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from research.kv.base import KVCache
+from research.kv.dense import DenseKVCache
+from research.kv.window import WindowKVCache
+from research.model import attention, layers
+from research.model.config import ModelConfig
+from research.pytree import pytree_dataclass, static_field
+
+
+@pytree_dataclass
+class Model:
+    config: ModelConfig = static_field()
+    params: Any
+    caches: tuple  # one KVCache per layer
+    # Free-form static tags transforms may leave (e.g. "tasq"), for reporting only.
+    tags: tuple = static_field(default=())
+
+    def replace(self, **changes) -> "Model":
+        return dataclasses.replace(self, **changes)
+
+    def astype(self, dtype) -> "Model":
+        """Params cast to `dtype` (compute runs in this dtype; norms/softmax stay f32)."""
+        params = jax.tree.map(lambda x: x.astype(dtype), self.params)
+        return self.replace(params=params)
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+    def init_cache(self, batch: int, max_len: int) -> tuple:
+        """Per-layer cache states for `batch` sequences of up to `max_len` tokens."""
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"batch and max_len must be >= 1, got {batch=}, {max_len=}")
+        c = self.config
+        return tuple(cache.init(batch, max_len, c.n_kv_heads, c.head_dim)
+                     for cache in self.caches)
+
+
+def default_caches(config: ModelConfig, dtype: str = "float32") -> tuple[KVCache, ...]:
+    """Dense caches for global layers, window rings for sliding layers."""
+    return tuple(WindowKVCache(window=config.window(i), dtype=dtype)
+                 if config.window(i) else DenseKVCache(dtype=dtype)
+                 for i in range(config.n_layers))
+
+
+def make_model(config: ModelConfig, params, kv_dtype: str = "float32") -> Model:
+    return Model(config=config, params=params, caches=default_caches(config, kv_dtype))
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random params (scaled normal) with the layout above, for tests and training."""
+    c = config
+    keys = iter(jax.random.split(key, 4 + 8 * c.n_layers))
+
+    def dense(shape, fan_in):
+        return (jax.random.normal(next(keys), shape) / np.sqrt(fan_in)).astype(dtype)
+
+    layers_p = []
+    for i in range(c.n_layers):
+        p = {"attn_norm": jnp.ones((c.dim,), dtype), "ffn_norm": jnp.ones((c.dim,), dtype),
+             "wq": dense((c.dim, c.n_heads * c.head_dim), c.dim),
+             "wk": dense((c.dim, c.n_kv_heads * c.head_dim), c.dim),
+             "wv": dense((c.dim, c.n_kv_heads * c.head_dim), c.dim),
+             "wo": dense((c.n_heads * c.head_dim, c.dim), c.n_heads * c.head_dim)}
+        if c.is_moe(i):
+            e, f = c.moe.n_experts, c.moe.expert_ffn_dim
+            p.update(router=dense((c.dim, e), c.dim), w_gate=dense((e, c.dim, f), c.dim),
+                     w_up=dense((e, c.dim, f), c.dim), w_down=dense((e, f, c.dim), f))
+        else:
+            p.update(w_gate=dense((c.dim, c.ffn_dim), c.dim),
+                     w_up=dense((c.dim, c.ffn_dim), c.dim),
+                     w_down=dense((c.ffn_dim, c.dim), c.ffn_dim))
+        layers_p.append(p)
+    params = {"embed": dense((c.vocab_size, c.dim), 1.0),
+              "final_norm": jnp.ones((c.dim,), dtype), "layers": tuple(layers_p)}
+    if not c.tie_embeddings:
+        params["lm_head"] = dense((c.dim, c.vocab_size), c.dim)
+    return params
+
+
+class ForwardOutput(NamedTuple):
+    logits: Array  # [B, T, V] or [B, V] when logits="last"
+    cache_states: tuple | None
+    captures: tuple | None  # per layer dict of activations when capture=True
+    routing: tuple | None  # per MoE layer Routing, else None entries
+
+
+def _project_qkv(c: ModelConfig, p: dict, h: Array, positions: Array):
+    b, t, _ = h.shape
+    q = (h @ p["wq"]).reshape(b, t, c.n_heads, c.head_dim)
+    k_pre = (h @ p["wk"]).reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = (h @ p["wv"]).reshape(b, t, c.n_kv_heads, c.head_dim)
+    q = layers.apply_rope(q, positions, c.rope_theta)
+    k = layers.apply_rope(k_pre, positions, c.rope_theta)
+    return q, k_pre, k, v
+
+
+def _ffn(c: ModelConfig, layer: int, p: dict, h: Array):
+    if not c.is_moe(layer):
+        return layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), None
+    b, t, d = h.shape
+    y, routing = layers.moe_ffn(h.reshape(b * t, d), p, c.moe.top_k, c.moe.renormalize)
+    return y.reshape(b, t, d), routing
+
+
+def _block(model: Model, layer: int, x, positions, valid, cache_state, start, n_new, capture):
+    c, p = model.config, model.params["layers"][layer]
+    h = layers.rms_norm(x, p["attn_norm"], c.norm_eps)
+    q, k_pre, k, v = _project_qkv(c, p, h, positions)
+    window = c.window(layer)
+    if cache_state is None:
+        attn = attention.attend(q, k, v, positions, positions, valid, window)
+    else:
+        attn, cache_state = model.caches[layer].update_and_attend(
+            cache_state, q, k, v, start=start, n_new=n_new, window=window)
+    b, t = x.shape[:2]
+    attn_flat = attn.reshape(b, t, c.n_heads * c.head_dim)
+    x = x + attn_flat @ p["wo"]
+    h2 = layers.rms_norm(x, p["ffn_norm"], c.norm_eps)
+    ffn_out, routing = _ffn(c, layer, p, h2)
+    x = x + ffn_out
+    captured = None
+    if capture:
+        captured = {"h": h, "q": q, "k_pre": k_pre, "k": k, "v": v, "attn": attn_flat}
+    return x, cache_state, captured, routing
+
+
+def unembed(model: Model, h: Array) -> Array:
+    """Final norm + LM head; logits in f32."""
+    p = model.params
+    h = layers.rms_norm(h, p["final_norm"], model.config.norm_eps)
+    w = p["embed"].T if model.config.tie_embeddings else p["lm_head"]
+    return (h @ w).astype(jnp.float32)
+
+
+def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | None = None,
+            start: Int[Array, "B"] | None = None, n_new: Int[Array, "B"] | None = None,
+            logits: str = "all", capture: bool = False) -> ForwardOutput:
+    """Run a chunk of tokens.
+
+    tokens: [B, T] int32, right-padded; row b's real tokens are tokens[b, :n_new[b]] at
+      absolute positions start[b] + t (start defaults to 0, n_new to T).
+    cache_states: per-layer states from `model.init_cache`, or None for cache-free
+      causal attention over the chunk alone.
+    logits: "all" -> [B, T, V]; "last" -> [B, V] at each row's last real token; "none".
+    capture: also return per-layer activations (for calibrating transforms).
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, time], got {tokens.shape=}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer token ids, got {tokens.dtype=}")
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+    b, t = tokens.shape
+    start = jnp.zeros((b,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+    n_new = jnp.full((b,), t, jnp.int32) if n_new is None else jnp.asarray(n_new, jnp.int32)
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t)[None, :] < n_new[:, None]
+    x = model.params["embed"][tokens]
+    new_states, captures, routings = [], [], []
+    for layer in range(model.config.n_layers):
+        state = None if cache_states is None else cache_states[layer]
+        x, state, cap, routing = _block(model, layer, x, positions, valid, state, start,
+                                        n_new, capture)
+        new_states.append(state)
+        captures.append(cap)
+        routings.append(routing)
+    if logits == "all":
+        out = unembed(model, x)
+    elif logits == "last":
+        last = jnp.maximum(n_new - 1, 0)
+        out = unembed(model, x[jnp.arange(b), last])
+    else:
+        out = None
+    return ForwardOutput(out, None if cache_states is None else tuple(new_states),
+                         tuple(captures) if capture else None, tuple(routings))

@@ -1,0 +1,100 @@
+"""Byte-level BPE tokenizer rebuilt from GGUF metadata with the `tokenizers` library.
+
+The pre-tokenizer follows llama.cpp's `tokenizer.ggml.pre` name (SmolLM2: "smollm" =
+every digit split off, then GPT-2's regex); control tokens (type 3) and user-defined
+tokens (type 4) are atomic special tokens. The chat template is the GGUF's own Jinja
+template rendered in a sandbox.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+def _byte_level(use_regex: bool):
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+
+
+def _split(regex: str):
+    return pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated")
+
+
+PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _byte_level(True)]),
+    "gpt2": lambda: _byte_level(True),
+    "default": lambda: _byte_level(True),
+    "llama-bpe": lambda: pre_tokenizers.Sequence([_split(LLAMA3_REGEX), _byte_level(False)]),
+}
+
+
+class Tokenizer:
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str],
+                 token_types: Sequence[int], *, pre: str, bos_id: int | None,
+                 eos_id: int | None, add_bos: bool = False, chat_template: str | None = None):
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre={pre!r} is not supported; "
+                             f"supported: {sorted(PRE_TOKENIZERS)}")
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+        tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+        tok.decoder = decoders.ByteLevel()
+        special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(token_types)
+                   if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
+        tok.add_special_tokens(special)
+        self._tok = tok
+        self.vocab_size = len(tokens)
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.special_ids = frozenset(tok.token_to_id(t.content) for t in special)
+        self.chat_template = chat_template
+
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+        """Token ids of `text` (plus BOS when the model asks for it).
+
+        parse_special=False treats text like "<|im_end|>" as plain characters (use it for
+        untrusted user text).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        self._tok.encode_special_tokens = not parse_special
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} out of range [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[dict], *,
+                            add_generation_prompt: bool = True) -> str:
+        """Render chat `messages` ([{"role", "content"}]) with the model's own template."""
+        if not self.chat_template:
+            raise ValueError("this GGUF carries no tokenizer.chat_template")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or {"role", "content"} - set(m):
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True,
+                                                           lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=list(messages),
+                               add_generation_prompt=add_generation_prompt,
+                               bos_token=self._token_str(self.bos_id),
+                               eos_token=self._token_str(self.eos_id))
+
+    def _token_str(self, token_id: int | None) -> str:
+        return "" if token_id is None else self._tok.id_to_token(token_id)

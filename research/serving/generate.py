@@ -1,0 +1,154 @@
+"""Batched prefill + decode under `jit` with a pre-allocated cache.
+
+Prompts of different lengths are right-padded into one [B, T] chunk; each row keeps its
+own length, so row b's next token is written at position `lengths[b]`. The decode loop is
+a `lax.while_loop` (no host round-trip per token) that ends when every row has hit a stop
+token or `max_new_tokens`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from research.model.llama import Model, forward
+from research.serving.sampling import SamplingConfig, sample
+
+PAD_BUCKET = 16  # prompt chunks are padded to a multiple of this, to bound recompiles
+
+
+class Generation(NamedTuple):
+    tokens: list[list[int]]  # generated ids per row, stop token excluded
+    finish_reasons: list[str]  # "stop" or "length"
+    prompt_lengths: list[int]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, pad_id: int = 0,
+                bucket: int = PAD_BUCKET) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded [B, T] int32 tokens and [B] lengths; validates ids."""
+    if not prompts:
+        raise ValueError("prompts is empty: expected at least one prompt")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1:
+        raise ValueError(f"prompt {int(lengths.argmin())} is empty: every prompt needs a token")
+    tokens = np.full((len(prompts), round_up(int(lengths.max()), bucket)), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        ids = np.asarray(p)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"prompt {i} must hold integer token ids, got {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+        tokens[i, :len(p)] = ids
+    return tokens, lengths
+
+
+@jax.jit
+def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, cache_states: tuple):
+    """Write the prompts into the cache; logits [B, V] at each row's last prompt token."""
+    out = forward(model, tokens, cache_states=cache_states, n_new=lengths, logits="last")
+    return out.logits, out.cache_states
+
+
+@jax.jit
+def decode_step(model: Model, tokens: jax.Array, lengths: jax.Array, active: jax.Array,
+                cache_states: tuple):
+    """One token per row at position lengths[b]; inactive rows write nothing."""
+    out = forward(model, tokens[:, None], cache_states=cache_states, start=lengths,
+                  n_new=active.astype(jnp.int32), logits="last")
+    return out.logits, out.cache_states
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "sampling", "stop_tokens"))
+def _decode_loop(model, first_logits, lengths, cache_states, key, *, max_new_tokens,
+                 sampling, stop_tokens):
+    b = lengths.shape[0]
+    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+
+    def pick(logits, step, done):
+        tok = sample(logits, jax.random.fold_in(key, step), sampling)
+        return jnp.where(done, 0, tok), done | jnp.isin(tok, stops)
+
+    tok0, done0 = pick(first_logits, 0, jnp.zeros((b,), bool))
+    out0 = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok0)
+    n_out0 = jnp.ones((b,), jnp.int32)
+
+    def cond(carry):
+        step, _, _, done, _, _ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, out, n_out, done, lens, states = carry
+        active = ~done
+        logits, states = decode_step(model, out[:, step - 1], lens, active, states)
+        tok, new_done = pick(logits, step, done)
+        out = out.at[:, step].set(tok)
+        lens = lens + active
+        n_out = n_out + active
+        return step + 1, out, n_out, new_done, lens, states
+
+    carry = (jnp.int32(1), out0, n_out0, done0, lengths, cache_states)
+    _, out, n_out, done, lens, states = jax.lax.while_loop(cond, body, carry)
+    return out, n_out, done, lens, states
+
+
+def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             key: jax.Array | None = None, sampling: SamplingConfig = SamplingConfig(),
+             stop_tokens: Sequence[int] = (), max_len: int | None = None) -> Generation:
+    """Generate continuations of token-id `prompts` (greedy unless `sampling` says otherwise).
+
+    max_len: cache length per sequence; default = longest prompt + max_new_tokens rounded
+    up. A prompt that does not fit (prompt + max_new_tokens > max_len) is an error.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if key is None:
+        if not sampling.greedy:
+            raise ValueError("sampling with temperature > 0 needs an explicit PRNG `key`")
+        key = jax.random.key(0)
+    tokens, lengths = pad_prompts(prompts, model.config.vocab_size)
+    needed = int(lengths.max()) + max_new_tokens
+    max_len = max_len or max(round_up(needed, PAD_BUCKET), tokens.shape[1])
+    if needed > max_len:
+        raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens="
+                         f"{max_new_tokens} exceeds the cache max_len={max_len}")
+    if needed > model.config.max_position:
+        raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's "
+                         f"max_position={model.config.max_position}")
+    if tokens.shape[1] > max_len:
+        tokens = tokens[:, :max_len]  # only padding is cut: every prompt fits (checked)
+    states = model.init_cache(len(prompts), max_len)
+    logits, states = prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    out, n_out, done, _, _ = _decode_loop(
+        model, logits, jnp.asarray(lengths), states, key, max_new_tokens=max_new_tokens,
+        sampling=sampling, stop_tokens=tuple(int(t) for t in stop_tokens))
+    out, n_out, done = np.asarray(out), np.asarray(n_out), np.asarray(done)
+    rows = [list(map(int, out[i, :n_out[i] - int(done[i])])) for i in range(len(prompts))]
+    reasons = ["stop" if d else "length" for d in done]
+    return Generation(rows, reasons, lengths.tolist())
+
+
+def generate_text(model: Model, tokenizer, prompts: Sequence[str], *, chat: bool = True,
+                  **kwargs) -> list[str]:
+    """Text in, text out; `chat` wraps each prompt in the model's chat template."""
+    if chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                   for p in prompts]
+    ids = [tokenizer.encode(p) for p in prompts]
+    stops = kwargs.pop("stop_tokens", None)
+    if stops is None:
+        stops = default_stop_tokens(tokenizer)
+    gen = generate(model, ids, stop_tokens=stops, **kwargs)
+    return [tokenizer.decode(t, skip_special=True) for t in gen.tokens]
+
+
+def default_stop_tokens(tokenizer) -> tuple[int, ...]:
+    """EOS plus the chat end-of-turn token when the vocabulary has one."""
+    ids = {tokenizer.eos_id, tokenizer.token_to_id("<|im_end|>")}
+    return tuple(sorted(i for i in ids if i is not None))
