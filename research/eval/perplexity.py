@@ -33,8 +33,8 @@ class Window(NamedTuple):
 def windows(n_tokens: int, window: int, stride: int) -> list[Window]:
     if window < 2:
         raise ValueError(f"window must be >= 2, got {window}")
-    if not 1 <= stride <= window:
-        raise ValueError(f"stride must be in [1, window={window}], got {stride}")
+    if not 1 <= stride < window:  # windows must overlap so each target has its context
+        raise ValueError(f"stride must be in [1, window={window}), got {stride}")
     if n_tokens < 2:
         raise ValueError(f"need at least 2 tokens to score, got {n_tokens}")
     out, prev_end, begin = [], 0, 0

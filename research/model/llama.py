@@ -95,7 +95,7 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
                      w_up=dense((c.dim, c.ffn_dim), c.dim),
                      w_down=dense((c.ffn_dim, c.dim), c.ffn_dim))
         layers_p.append(p)
-    params = {"embed": dense((c.vocab_size, c.dim), 1.0),
+    params = {"embed": dense((c.vocab_size, c.dim), c.dim),
               "final_norm": jnp.ones((c.dim,), dtype), "layers": tuple(layers_p)}
     if not c.tie_embeddings:
         params["lm_head"] = dense((c.dim, c.vocab_size), c.dim)

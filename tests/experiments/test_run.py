@@ -1,0 +1,81 @@
+"""The experiment runner end to end: the baseline experiment on a tiny GGUF model."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from research.model import init_params, tiny_config
+from tests.model.gguf_writer import byte_vocab, write_llama_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    config = tiny_config(vocab_size=len(byte_vocab()[0]), head_dim=16)
+    path = write_llama_gguf(d / "tiny.gguf", config, init_params(config, jax.random.key(0)))
+    text = d / "text.txt"
+    text.write_text("the thin tin in the thin inn. " * 20)
+    return path, text
+
+
+def _run(workdir, *overrides):
+    cmd = [sys.executable, "-m", "experiments.run",
+           "--config=experiments/baseline/baseline.py:small", f"--workdir={workdir}",
+           *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _tiny_overrides(tiny_gguf):
+    path, text = tiny_gguf
+    return [f"--config.gguf_path={path}", f"--config.text_path={text}",
+            "--config.ppl.window=32", "--config.ppl.stride=16", "--config.ppl.max_windows=4",
+            "--config.throughput.prompt_len=8", "--config.throughput.new_tokens=4",
+            "--config.throughput.repeats=1", "--config.sample.max_new_tokens=4"]
+
+
+def test_baseline_runs_and_is_reproducible(tmp_path, tiny_gguf):
+    runs = []
+    for i in range(2):
+        proc = _run(tmp_path / f"w{i}", *_tiny_overrides(tiny_gguf))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = tmp_path / f"w{i}" / "baseline_small"
+        assert (out / "table.md").read_text().startswith("# servax baseline")
+        runs.append(json.loads((out / "results.json").read_text()))
+    r = runs[0]
+    assert r["seed"] == 0 and r["config"]["ppl"]["window"] == 32
+    assert r["versions"]["jax"] == jax.__version__
+    assert [row["perplexity"] for row in r["rows"]] == [row["perplexity"]
+                                                         for row in runs[1]["rows"]]
+    assert "| float32 |" in (tmp_path / "w0" / "baseline_small" / "table.md").read_text()
+
+
+def test_unknown_config_key_is_an_error(tmp_path, tiny_gguf):
+    proc = _run(tmp_path, "--config.no_such_key=1")
+    assert proc.returncode != 0
+    assert "no_such_key" in proc.stderr
+
+
+def test_bad_config_arg_is_an_error(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.run",
+           "--config=experiments/baseline/baseline.py:huge", f"--workdir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0 and "'small' or 'full'" in proc.stderr
+
+
+@pytest.mark.slow  # real SmolLM2 baseline: ~2-3 minutes on 2 cores
+def test_real_baseline_small(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "baseline_small" / "results.json").read_text())
+    f32, bf16 = r["rows"]
+    assert 10 < f32["perplexity"] < 40
+    assert abs(bf16["perplexity"] / f32["perplexity"] - 1) < 0.01
+    assert "Paris" in r["extra"]["sample"]

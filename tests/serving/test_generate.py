@@ -1,0 +1,100 @@
+"""Generation: greedy equals an argmax loop, stop tokens, sampling filters, errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research.model import forward
+from research.serving.generate import generate, pad_prompts
+from research.serving.sampling import SamplingConfig, filter_logits, sample, token_probs
+
+
+def _greedy_reference(model, prompt, n):
+    """Re-run the whole sequence without a cache for every new token."""
+    ids = list(prompt)
+    f = jax.jit(lambda m, t, n: forward(m, t, n_new=n, logits="last").logits)
+    for _ in range(n):
+        padded = jnp.asarray([ids + [0] * (16 - len(ids))])  # one shape: one compile
+        ids.append(int(jnp.argmax(f(model, padded, jnp.array([len(ids)]))[0])))
+    return ids[len(prompt):]
+
+
+def test_greedy_matches_uncached_argmax_loop(tiny):
+    prompts = [[5, 9, 13, 2, 40, 7, 1], [3, 3]]
+    gen = generate(tiny, prompts, max_new_tokens=6)
+    for p, out in zip(prompts, gen.tokens):
+        assert out == _greedy_reference(tiny, p, 6)
+    assert gen.finish_reasons == ["length", "length"]
+    assert gen.prompt_lengths == [7, 2]
+
+
+def test_stop_token_ends_row_only(tiny):
+    prompts = [[5, 9, 13], [3, 3]]
+    free = generate(tiny, prompts, max_new_tokens=6).tokens
+    stop = free[0][2]
+    gen = generate(tiny, prompts, max_new_tokens=6, stop_tokens=[stop])
+    assert gen.tokens[0] == free[0][:free[0].index(stop)]
+    assert gen.finish_reasons[0] == "stop"
+    if stop not in free[1]:
+        assert gen.tokens[1] == free[1]
+
+
+def test_sampling_is_reproducible_and_key_dependent(tiny):
+    cfg = SamplingConfig(temperature=1.0, top_k=20, top_p=0.9)
+    run = lambda k: generate(tiny, [[1, 2, 3]] * 2, max_new_tokens=8, sampling=cfg,  # noqa
+                             key=jax.random.key(k)).tokens
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = lambda cfg: np.isfinite(np.asarray(filter_logits(logits, cfg)))[0]  # noqa
+    assert kept(SamplingConfig(1.0, top_k=2)).tolist() == [1, 1, 0, 0, 0]
+    assert kept(SamplingConfig(1.0, top_p=0.6)).tolist() == [1, 1, 0, 0, 0]
+    assert kept(SamplingConfig(1.0, top_p=0.5)).tolist() == [1, 0, 0, 0, 0]
+    assert kept(SamplingConfig(1.0, top_p=0.86)).tolist() == [1, 1, 1, 1, 0]
+    probs = token_probs(logits, SamplingConfig(1.0, top_k=3))
+    np.testing.assert_allclose(probs[0, :3], np.array([0.5, 0.2, 0.15]) / 0.85, rtol=1e-5)
+
+
+def test_sample_frequencies_follow_filtered_distribution():
+    logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]] * 4000))
+    cfg = SamplingConfig(temperature=1.0, top_k=3)
+    draws = np.asarray(sample(logits, jax.random.key(0), cfg))
+    freq = np.bincount(draws, minlength=4) / draws.size
+    np.testing.assert_allclose(freq, [4 / 9, 3 / 9, 2 / 9, 0], atol=0.03)
+
+
+def test_prompt_longer_than_cache_is_an_error(tiny):
+    with pytest.raises(ValueError, match="exceeds the cache max_len=8"):
+        generate(tiny, [[1] * 6], max_new_tokens=4, max_len=8)
+
+
+@pytest.mark.parametrize("prompts, err, match", [
+    ([], ValueError, "prompts is empty"),
+    ([[]], ValueError, "prompt 0 is empty"),
+    ([[1, 500]], ValueError, "outside \\[0, 97\\)"),
+    ([[1.5, 2.0]], TypeError, "integer token ids"),
+])
+def test_bad_prompts(prompts, err, match):
+    with pytest.raises(err, match=match):
+        pad_prompts(prompts, vocab_size=97)
+
+
+def test_bad_sampling_args(tiny):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match="explicit PRNG"):
+        generate(tiny, [[1]], max_new_tokens=2, sampling=SamplingConfig(temperature=1.0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(tiny, [[1]], max_new_tokens=0)
+
+
+def test_real_model_answers(smollm2):
+    from research.serving.generate import generate_text
+    model, tok = smollm2
+    out = generate_text(model, tok, ["What is the capital of France?"], max_new_tokens=12)
+    assert "Paris" in out[0]

@@ -1,0 +1,65 @@
+"""The transform protocol: chain semantics, identity, the bf16 KV-cache transform."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research.eval.perplexity import perplexity
+from research.kv.dense import DenseKVCache
+from research.transforms import (CalibrationData, Transform, calibrate_and_apply, chain,
+                                 identity, kv_cache_dtype, weights_dtype)
+
+
+def _recording(name, log):
+    """A transform that records which model it calibrated on and tags its output."""
+    def calibrate(model, data):
+        log.append((name, model.tags))
+        return {"seen": len(model.tags)}
+
+    def apply(model, state):
+        return model.replace(tags=model.tags + (f"{name}{state['seen']}",))
+    return Transform(calibrate, apply, name)
+
+
+def test_chain_calibrates_each_on_previous_output(tiny):
+    log = []
+    t = chain(_recording("a", log), _recording("b", log))
+    model, state = calibrate_and_apply(t, tiny, None)
+    assert log == [("a", ()), ("b", ("a0",))]
+    assert model.tags == ("a0", "b1")
+    assert t.apply(tiny, state).tags == model.tags  # apply alone reproduces calibrate
+    assert t.name == "a+b"
+
+
+def test_identity_and_empty_chain(tiny):
+    assert calibrate_and_apply(identity(), tiny, None)[0] is tiny
+    assert calibrate_and_apply(chain(), tiny, None)[0] is tiny
+
+
+def test_chain_state_length_checked(tiny):
+    with pytest.raises(ValueError, match="2 transforms got 1 states"):
+        chain(identity(), identity()).apply(tiny, ((),))
+
+
+def test_kv_cache_dtype(tiny):
+    model, _ = calibrate_and_apply(kv_cache_dtype("bfloat16"), tiny, None)
+    assert all(c == DenseKVCache("bfloat16") for c in model.caches)
+    assert model.init_cache(1, 4)[0]["k"].dtype == jnp.bfloat16
+    ids = np.random.default_rng(0).integers(0, 97, 33)
+    a, b = perplexity(tiny, ids, window=16), perplexity(model, ids, window=16)
+    assert a.ppl != b.ppl and abs(a.ppl / b.ppl - 1) < 0.01
+    with pytest.raises(ValueError, match="dtype"):
+        kv_cache_dtype("int4")
+
+
+def test_weights_dtype(tiny):
+    model, _ = calibrate_and_apply(weights_dtype("bfloat16"), tiny, None)
+    assert model.params["layers"][0]["wq"].dtype == jnp.bfloat16
+
+
+def test_calibration_data():
+    data = CalibrationData.from_ids(list(range(100)), seq_len=10, n_seqs=3)
+    assert data.tokens.shape == (3, 10) and int(data.tokens[1, 0]) == 10
+    with pytest.raises(ValueError, match="need seq_len\\*n_seqs=200"):
+        CalibrationData.from_ids(list(range(100)), seq_len=100, n_seqs=2)
+    with pytest.raises(ValueError, match="empty sequence"):
+        CalibrationData(jnp.zeros((2, 4), jnp.int32), jnp.array([4, 0])).validate()
