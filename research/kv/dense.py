@@ -4,8 +4,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from research.kv.base import KVCache, scatter_tokens, write_positions
-from research.model.attention import attend
-from research.pytree import pytree_dataclass, static_field
+from research.core.attention import attend
+from research.core.pytree import pytree_dataclass, static_field
 
 
 @pytree_dataclass

@@ -7,11 +7,14 @@ without allocating them.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 
 from research.kv.base import state_nbytes
-from research.model.llama import Model
+
+if TYPE_CHECKING:  # type-only: research.model depends on research.kv, not the reverse
+    from research.model.llama import Model
 
 GiB = 1024 ** 3
 

@@ -1,7 +1,7 @@
 """Llama-family model: config, forward, GGUF loader, tokenizer.
 
 Names are resolved lazily (PEP 562) so that low-level modules such as
-`research.model.attention` can be imported by `research.kv` without pulling in the
+`research.core.attention` can be imported by `research.kv` without pulling in the
 model, which itself imports `research.kv`.
 """
 import importlib

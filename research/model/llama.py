@@ -26,9 +26,10 @@ from jaxtyping import Array, Int
 from research.kv.base import KVCache
 from research.kv.dense import DenseKVCache
 from research.kv.window import WindowKVCache
-from research.model import attention, layers
+from research.core import attention
+from research.model import layers
 from research.model.config import ModelConfig
-from research.pytree import pytree_dataclass, static_field
+from research.core.pytree import pytree_dataclass, static_field
 
 
 @pytree_dataclass

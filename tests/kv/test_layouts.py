@@ -10,7 +10,7 @@ from research.kv.dense import DenseKVCache
 from research.kv.memory import kv_cache_bytes, kv_bytes_per_token, max_batch
 from research.kv.window import WindowKVCache
 from research.model import init_params, make_model, tiny_config
-from research.model.attention import attend
+from research.core.attention import attend
 
 B, HQ, HKV, D = 2, 4, 2, 8
 
