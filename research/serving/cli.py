@@ -1,0 +1,38 @@
+r"""Generate text from the command line.
+
+    python -m research.serving.cli --prompt="What is the capital of France?"
+    python -m research.serving.cli --gguf=/path/model.gguf --nochat --prompt="Once upon" \
+        --temperature=0.8 --top_p=0.95 --seed=1 --max_new_tokens=64
+"""
+from absl import app, flags
+
+_GGUF = flags.DEFINE_string("gguf", "", "llama-architecture GGUF file; default: SmolLM2")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "prompt text (repeat for a batch)")
+_CHAT = flags.DEFINE_bool("chat", True, "wrap prompts in the model's chat template")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
+_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed for sampling")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "params/KV dtype")
+flags.mark_flag_as_required("prompt")
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from research.model import load
+    from research.serving.generate import generate_text
+    from research.serving.sampling import SamplingConfig
+
+    model, tok = load(_GGUF.value or None, dtype=_DTYPE.value)
+    outs = generate_text(model, tok, _PROMPT.value, chat=_CHAT.value,
+                         max_new_tokens=_MAX_NEW.value, key=jax.random.key(_SEED.value),
+                         sampling=SamplingConfig(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value))
+    for prompt, out in zip(_PROMPT.value, outs):
+        print(f"### {prompt}\n{out}\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
