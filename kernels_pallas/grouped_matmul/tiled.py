@@ -15,6 +15,14 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas.grouped_matmul import metadata
 
 
+def _vary_like(x: Array, *refs: Array) -> Array:
+    """Give a fresh constant the shard_map varying axes of `refs` (no-op outside one), so
+    loop carries and cond branches type-check under shard_map's vma checking."""
+    vma = lambda a: set(jax.typeof(a).mat.varying)  # noqa: E731
+    axes = set().union(*map(vma, refs)) - vma(x)
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
 def _pad_rows(x: Array, m_padded: int) -> Array:
     return jnp.pad(x, ((0, m_padded - x.shape[0]), (0, 0)))
 
@@ -39,12 +47,12 @@ def gmm_tiled(lhs: Float[Array, "M K"], rhs: Float[Array, "G K N"],
             (seg < n_groups) & (visits.valid[v] > 0),
             lambda: jax.lax.dot_general(tile, w, contract,
                                         preferred_element_type=jnp.float32),
-            lambda: jnp.zeros((bm, n), jnp.float32))
+            lambda: _vary_like(jnp.zeros((bm, n), jnp.float32), lhs, rhs, group_sizes))
         current = jax.lax.dynamic_slice(out, (row0, 0), (bm, n))
         mask = metadata.row_mask(visits, v, bm)[:, None]
         return jax.lax.dynamic_update_slice(out, jnp.where(mask, y, current), (row0, 0))
 
-    out = jnp.zeros((m_padded, n), jnp.float32)
+    out = _vary_like(jnp.zeros((m_padded, n), jnp.float32), lhs, rhs, group_sizes)
     out = jax.lax.fori_loop(0, visits.segment.shape[0], body, out)
     return out[:m].astype(lhs.dtype)
 
@@ -68,9 +76,9 @@ def tgmm_tiled(lhs: Float[Array, "M K"], dout: Float[Array, "M N"],
             jnp.any(mask),
             lambda: jax.lax.dot_general(a, d, (((0,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32),
-            lambda: jnp.zeros((k, n), jnp.float32))
+            lambda: _vary_like(jnp.zeros((k, n), jnp.float32), lhs, dout, group_sizes))
         return out.at[seg].add(add)
 
-    out = jnp.zeros((n_groups, k, n), jnp.float32)
+    out = _vary_like(jnp.zeros((n_groups, k, n), jnp.float32), lhs, dout, group_sizes)
     out = jax.lax.fori_loop(0, visits.segment.shape[0], body, out)
     return out.astype(lhs.dtype)
