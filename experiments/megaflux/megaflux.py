@@ -50,7 +50,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         eplb_interval=8, eplb_decay=0.8, capacity_factor=1.25,
         min_replica_frac=0.02))  # MegaFlux: a replica must take >= 2% of a device's mean
     c.measure = ml_collections.ConfigDict(dict(
-        steps=2 if small else 6, repeats=5, dim=64, ffn_dim=128))
+        steps=2 if small else 6, repeats=5, dim=32, ffn_dim=64, row_scale=8))
     c.model = ml_collections.ConfigDict(dict(
         nodes=("B200", "H200"), shapes=("deepseek_v3_expert", "olmoe_expert"),
         primary_node="B200", primary_shape="deepseek_v3_expert"))
