@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from experiments import common
@@ -91,12 +92,15 @@ def measure_max_device_seconds(groups: dict, weights, x: np.ndarray, repeats: in
     The simulated devices share the host's cores, so each device's expert shard is timed
     separately; methods and devices are interleaved inside every repeat so that load from
     other processes hits all of them alike. Rows are divided by `row_scale` (work is linear
-    in rows, so ratios between methods are preserved) to bound the run time."""
+    in rows, so ratios between methods are preserved) to bound the run time. BLAS runs
+    single-threaded: on an oversubscribed host a multi-threaded matmul waits whole
+    scheduler slices for its second thread, which swamps millisecond shards."""
     best = {m: np.full(len(g), np.inf) for m, g in groups.items()}
-    for _ in range(repeats):
-        for m, per_device in groups.items():
-            for d, rows in enumerate(per_device):
-                best[m][d] = min(best[m][d], _time_device(rows, weights, x, row_scale))
+    with threadpool_limits(limits=1):
+        for _ in range(repeats):
+            for m, per_device in groups.items():
+                for d, rows in enumerate(per_device):
+                    best[m][d] = min(best[m][d], _time_device(rows, weights, x, row_scale))
     return {m: float(b.max()) for m, b in best.items()}
 
 
