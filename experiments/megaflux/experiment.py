@@ -317,15 +317,19 @@ def _report(config, rows, check, trained, train_s, tc, planner_s) -> common.Repo
     def plot(fig):
         ax1, ax2 = fig.subplots(1, 2)
         scen = list(dict.fromkeys(r["scenario"] for r in rows))
-        labels = [s.replace(", ", "\n").replace(" router (", "\nrouter (") for s in scen]
+        labels = [s.replace(", ", "\n").split(" (")[0].replace(" router", "\nrouter")
+                  for s in scen]
+        colors = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
         width = 0.2
         for i, m in enumerate(METHODS):
             xs = np.arange(len(scen)) + (i - 1.5) * width
-            ax1.bar(xs, [by[(s, m)]["gamma"] for s in scen], width, label=m)
+            ax1.bar(xs, [by[(s, m)]["gamma"] for s in scen], width, label=m, color=colors[m])
             if m != "capacity 1.25":  # it is faster only by dropping tokens
-                ax2.bar(xs, [by[(s, m)][f"{key}|fwd_x"] for s in scen], width, label=m)
+                ax2.bar(xs, [by[(s, m)][f"{key}|fwd_x"] for s in scen], width, label=m,
+                        color=colors[m])
         for ax, title in ((ax1, "gamma (max/mean device load)"),
-                          (ax2, f"modeled fwd speedup vs static EP ({node}, {shape})")):
+                          (ax2, f"modeled fwd speedup vs static EP\n({node}, {shape}; "
+                                "capacity omitted: it drops tokens)")):
             ax.set_xticks(range(len(scen)), labels, fontsize=6)
             ax.set_title(title, fontsize=8)
         ax1.axhline(1.10, color="k", lw=0.5, ls="--")
