@@ -81,6 +81,14 @@ def _pad(x: Array, shape: tuple[int, ...]) -> Array:
     return jnp.pad(x, [(0, s - d) for s, d in zip(shape, x.shape)])
 
 
+def _out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+    """Output spec varying over the shard_map axes its operands vary over, so the kernels
+    also run inside shard_map with vma checking (outside it this is a plain struct)."""
+    mats = [jax.typeof(o).mat for o in operands]
+    varying = frozenset().union(*(m.varying for m in mats))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+
+
 def _compiler_params(backend: str, semantics: tuple[str, ...]):
     if backend == "triton":
         return pltriton.CompilerParams(num_warps=4, num_stages=2)
@@ -134,7 +142,7 @@ def _gmm_mosaic(lhs, rhs, visits, *, n_groups, bm, bk, bn, transpose_rhs, interp
                                k_tiles=k_tiles, transpose_rhs=transpose_rhs)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        out_shape=_out_struct((m, n), lhs.dtype, lhs, rhs, visits.segment),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(n_tiles, visits.segment.shape[0], k_tiles),
@@ -179,7 +187,7 @@ def _gmm_triton(lhs, rhs, visits, *, n_groups, bm, bk, bn, transpose_rhs, interp
     kernel = functools.partial(_gmm_triton_kernel, n_groups=n_groups, bm=bm, bk=bk, bn=bn,
                                k_tiles=kdim // bk, transpose_rhs=transpose_rhs)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        kernel, out_shape=_out_struct((m, n), lhs.dtype, lhs, rhs, visits.segment),
         grid=(visits.segment.shape[0], n // bn),
         compiler_params=_compiler_params("triton", ()), interpret=interpret,
         name="gmm_triton",
@@ -244,7 +252,7 @@ def _tgmm_mosaic(lhs, dout, visits, *, n_groups, bm, bk, bn, interpret):
 
     return pl.pallas_call(
         functools.partial(_tgmm_mosaic_kernel, bm=bm),
-        out_shape=jax.ShapeDtypeStruct((n_groups, kdim, n), lhs.dtype),
+        out_shape=_out_struct((n_groups, kdim, n), lhs.dtype, lhs, dout, visits.segment),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(kdim // bk, n // bn, visits.segment.shape[0]),
@@ -283,7 +291,7 @@ def _tgmm_triton(lhs, dout, visits, *, n_groups, bm, bk, bn, interpret):
     kdim, n = lhs.shape[1], dout.shape[1]
     return pl.pallas_call(
         functools.partial(_tgmm_triton_kernel, bm=bm, bk=bk, bn=bn),
-        out_shape=jax.ShapeDtypeStruct((n_groups, kdim, n), lhs.dtype),
+        out_shape=_out_struct((n_groups, kdim, n), lhs.dtype, lhs, dout, visits.starts),
         grid=(n_groups, kdim // bk, n // bn),
         compiler_params=_compiler_params("triton", ()), interpret=interpret,
         name="tgmm_triton",

@@ -167,14 +167,15 @@ def _dispatch_ragged(x_rows, dest, group, keep_mask, compute, *, cfg, n_devices,
     recv_sizes = matrix[:, me]
     recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
     rows = n_devices * a  # dropless worst case: every device sends all to me
-    xs = exchange(x_rows[order], jnp.zeros((rows, dm), x_rows.dtype), send_off, counts,
-                  land_off, recv_sizes)
-    gs = exchange(group[order], jnp.full((rows,), -1, jnp.int32), send_off, counts, land_off,
-                  recv_sizes)
+    buf = transport.vary_like
+    xs = exchange(x_rows[order], buf(jnp.zeros((rows, dm), x_rows.dtype), x_rows), send_off,
+                  counts, land_off, recv_sizes)
+    gs = exchange(group[order], buf(jnp.full((rows,), -1, jnp.int32), group), send_off,
+                  counts, land_off, recv_sizes)
     y_rows = compute(xs, gs)
     src_off = (jnp.cumsum(matrix, axis=1) - matrix)[:, me]  # my slice's offset at each src
-    back = exchange(y_rows, jnp.zeros((a, dm), y_rows.dtype), recv_off, recv_sizes,
-                    src_off, counts)
+    back = exchange(y_rows, buf(jnp.zeros((a, dm), y_rows.dtype), y_rows), recv_off,
+                    recv_sizes, src_off, counts)
     y = jnp.zeros_like(back).at[order].set(back)
     return jnp.where(keep_mask[:, None], y, 0), jnp.int32(0)
 
@@ -271,7 +272,11 @@ def ep_moe_ffn(x: Float[Array, "N Dm"], params: dict, mesh: Mesh, cfg: EPConfig,
     pad = lambda t: jnp.pad(t, ((0, n_pad - n),) + ((0, 0),) * (t.ndim - 1))  # noqa: E731
     ax = P(cfg.axis_name)
     body = functools.partial(_layer_body, cfg=cfg, n_devices=n_devices, transport_kind=kind)
-    y, stats = jax.shard_map(body, mesh=mesh, in_specs=(ax,) * 7, out_specs=(ax, ax))(
+    # JAX's Pallas interpreter is not vma-clean inside shard_map (it mixes varying refs with
+    # invariant program ids); compiled kernels and the XLA paths keep the check on.
+    check_vma = not (cfg.matmul.implementation == "pallas" and cfg.matmul.interpret)
+    y, stats = jax.shard_map(body, mesh=mesh, in_specs=(ax,) * 7, out_specs=(ax, ax),
+                             check_vma=check_vma)(
         pad(x), pad(routing.expert_ids), pad(routing.weights), pad(valid),
         params["w_gate"], params["w_up"], params["w_down"])
     hist, slot_expert, slot_tokens, home_tokens, load, dropped = stats

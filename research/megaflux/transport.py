@@ -21,6 +21,15 @@ from research.megaflux.planner import EMPTY, home_of
 TRANSPORTS = ("auto", "padded", "ragged", "ragged_emulated")
 
 
+def vary_like(x: Array, *refs: Array) -> Array:
+    """Mark a fresh buffer as varying over the shard_map axes its refs vary over (the type
+    of ragged_all_to_all's result is its `output` buffer's, so that buffer must carry the
+    data's axes). A no-op outside shard_map or with vma checking off."""
+    vma = lambda a: set(jax.typeof(a).mat.varying)  # noqa: E731
+    axes = set().union(*map(vma, refs)) - vma(x)
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
 def platform_has_ragged_all_to_all(platform: str | None = None) -> bool:
     """XLA implements ragged-all-to-all on GPU and TPU, not on CPU."""
     platform = platform or jax.devices()[0].platform

@@ -113,9 +113,10 @@ def test_ragged_transport_emulated_and_tiled_matmul(mesh):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_ragged_transport_lowers_for_accelerators(mesh, platform):
-    cfg = EPConfig(E, 2, replica_slots=2, transport="ragged")
+@pytest.mark.parametrize("platform,backend", [("cuda", "triton"), ("tpu", "mosaic_tpu")])
+def test_ragged_transport_and_kernels_lower_for_accelerators(mesh, platform, backend):
+    cfg = EPConfig(E, 2, replica_slots=2, transport="ragged",
+                   matmul=GroupedMatmul("pallas", backend=backend))
     x = jax.ShapeDtypeStruct((64, DM), jnp.bfloat16)
     p = {k: jax.ShapeDtypeStruct(v.shape, jnp.bfloat16) for k, v in _params(0).items()}
     fn = lambda x, p: ep_moe_ffn(x, p, mesh, cfg)[0]  # noqa: E731
@@ -131,6 +132,8 @@ def test_ragged_transport_lowers_for_accelerators(mesh, platform):
     finally:
         layer_mod.transport.resolve_transport = orig
     assert "ragged_all_to_all" in text and "collective_permute" in text
+    marker = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+    assert text.count(marker) >= 6  # gmm forward x3 (two groups of experts) + backward
 
 
 def test_capacity_drops_are_counted_never_silent(mesh):
@@ -180,3 +183,18 @@ def test_bad_inputs(mesh):
         EPConfig(16, 2, transport="nccl")
     with pytest.raises(ValueError, match="does not match"):
         ExpertParallelFFN(mesh, EPConfig(16, 2))(x, p, 1, True)
+
+
+# slow: the Pallas kernels run in the interpreter inside shard_map (~1-2 minutes).
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_layer_with_pallas_grouped_matmul(mesh, backend):
+    x, p = _tokens(8, 24), _params(9, (6,), 3.0)
+    cfg = EPConfig(E, 2, replica_slots=1, transport="padded",
+                   matmul=GroupedMatmul("pallas", backend=backend, interpret=True,
+                                        block_sizes=BlockSizes(8, 16, 16)))
+    y, _, stats, grads = _ep_value_and_grads(x, p, mesh=mesh, cfg=cfg)
+    (y_ref, _), grads_ref = _ref_value_and_grads(x, p, k=2)
+    np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=2e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
