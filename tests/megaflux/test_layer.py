@@ -102,10 +102,9 @@ def test_replicated_equals_static_ep_and_balances(mesh):
     assert (np.asarray(s2.plan.slot_expert) >= 0).any()
 
 
-def test_ragged_transport_emulated_and_tiled_matmul(mesh):
+def test_ragged_transport_emulated(mesh):
     x, p = _tokens(4, 50), _params(5, (1, 12), 3.0)
-    cfg = EPConfig(E, 2, replica_slots=2, transport="ragged_emulated",
-                   matmul=GroupedMatmul("xla_tiled", block_sizes=BlockSizes(bm=8)))
+    cfg = EPConfig(E, 2, replica_slots=2, transport="ragged_emulated")
     y, _, _, grads = _ep_value_and_grads(x, p, mesh=mesh, cfg=cfg)
     (y_ref, _), grads_ref = _ref_value_and_grads(x, p, k=2)
     np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=2e-5)
@@ -185,14 +184,18 @@ def test_bad_inputs(mesh):
         ExpertParallelFFN(mesh, EPConfig(16, 2))(x, p, 1, True)
 
 
-# slow: the Pallas kernels run in the interpreter inside shard_map (~1-2 minutes).
+# slow: the tiled loop / Pallas interpreter inside shard_map, forward + backward (~20-30 s
+# each on a shared 2-core machine).
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-def test_layer_with_pallas_grouped_matmul(mesh, backend):
+@pytest.mark.parametrize("matmul", [
+    GroupedMatmul("xla_tiled", block_sizes=BlockSizes(bm=8)),
+    GroupedMatmul("pallas", backend="triton", interpret=True,
+                  block_sizes=BlockSizes(8, 16, 16)),
+    GroupedMatmul("pallas", backend="mosaic_tpu", interpret=True,
+                  block_sizes=BlockSizes(8, 16, 16))], ids=["tiled", "triton", "mosaic"])
+def test_layer_with_grouped_matmul_kernels(mesh, matmul):
     x, p = _tokens(8, 24), _params(9, (6,), 3.0)
-    cfg = EPConfig(E, 2, replica_slots=1, transport="padded",
-                   matmul=GroupedMatmul("pallas", backend=backend, interpret=True,
-                                        block_sizes=BlockSizes(8, 16, 16)))
+    cfg = EPConfig(E, 2, replica_slots=1, transport="padded", matmul=matmul)
     y, _, stats, grads = _ep_value_and_grads(x, p, mesh=mesh, cfg=cfg)
     (y_ref, _), grads_ref = _ref_value_and_grads(x, p, k=2)
     np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=2e-5)
