@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 from kernels_pallas.grouped_matmul import BlockSizes, GroupedMatmul
-from research.megaflux import EPConfig, ExpertParallelFFN, ep_moe_ffn
+from research.megaflux import EPConfig, ExpertParallelFFN, ep_moe_ffn, megaflux
 from research.model import layers
 
 E, DM, F = 16, 16, 24
@@ -145,18 +145,23 @@ def test_capacity_drops_are_counted_never_silent(mesh):
     assert kept_rows.sum() == 64 - int(stats.dropped)  # dropped tokens are exactly those
 
 
-def test_model_forward_with_expert_parallel_ffn(mesh):
+def test_model_forward_with_megaflux_transform(mesh):
     from research.model import init_params, make_model, tiny_config
     from research.model.config import MoEConfig
     from research.model.llama import forward
+    from research.transforms import calibrate_and_apply
     config = tiny_config(moe=MoEConfig(16, 2, 24))
     model = make_model(config, init_params(config, jax.random.key(0)))
-    ffn = ExpertParallelFFN(mesh, EPConfig(16, 2, replica_slots=2, transport="padded"))
-    ep_model = model.replace(config=config.replace(moe=MoEConfig(16, 2, 24, ffn=ffn)))
+    ep_model, _ = calibrate_and_apply(megaflux(mesh, replica_slots=2, transport="padded"),
+                                      model, None)
+    assert isinstance(ep_model.config.moe.ffn, ExpertParallelFFN)
     tokens = jax.random.randint(jax.random.key(1), (3, 11), 0, config.vocab_size)
     want = jax.jit(lambda m, t: forward(m, t).logits)(model, tokens)
     got = jax.jit(lambda m, t: forward(m, t).logits)(ep_model, tokens)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    dense = make_model(tiny_config(), init_params(tiny_config(), jax.random.key(0)))
+    with pytest.raises(ValueError, match="MoE layers"):
+        megaflux(mesh).apply(dense, ())
 
 
 def test_bad_inputs(mesh):

@@ -18,8 +18,12 @@ def test_notebook_matches_generator():
 # slow: a fresh kernel that imports JAX, compiles the layer and trains a tiny model
 # (~1-2 minutes on a shared 2-core machine).
 @pytest.mark.slow
-def test_notebook_executes():
+def test_notebook_executes(monkeypatch):
     from nbclient import NotebookClient
+    import os
+    # the kernel must import this checkout, not another installed copy of servax
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
