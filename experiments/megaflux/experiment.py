@@ -265,7 +265,8 @@ def _report(config, rows, check, trained, train_s, tc, planner_s) -> common.Repo
                      " / ".join(f"{r['gamma']:.3f}" for r in stationary),
                      all(r["gamma"] <= 1.10 for r in stationary)),
         common.claim("gamma, trained router traces (MegaFlux)", "<= 1.10",
-                     f"{real[0]['gamma']:.3f} (static {by[(real[0]['scenario'], 'static EP')]['gamma']:.3f})",
+                     f"{real[0]['gamma']:.3f} (static "
+                     f"{by[(real[0]['scenario'], 'static EP')]['gamma']:.3f})",
                      real[0]["gamma"] <= 1.10),
         common.claim(f"modeled fwd speedup vs static EP, geomean ({node}, {shape})",
                      ">= 1.45x", f"{fwd:.2f}x", fwd >= 1.45),
