@@ -28,6 +28,13 @@ collectives on GPU/TPU); on the CPU simulation the collectives are synchronous.
 
 Gradients are exact: replica weights are copies (ppermute) of the home weights, so the
 autodiff transpose of the permute adds every replica's gradient into its home expert.
+
+Dropless sizing: shapes are static under jit, so buffers are sized for the worst case, a
+device sending all its n*k assignments to one peer: the padded path sends [D, n*k] rows
+per device, the ragged path receives into D*n*k rows but moves only real ones. A smaller
+`capacity` (padded path only) bounds memory; overflowing assignments are then dropped and
+counted in EPStats.dropped, never silently. (A two-pass alternative, reading the exact
+counts on the host before dispatch, would add a host round-trip per step.)
 """
 from __future__ import annotations
 
