@@ -330,7 +330,7 @@ def _report(config, rows, check, trained, train_s, tc, planner_s) -> common.Repo
                         color=colors[m])
         for ax, title in ((ax1, "gamma (max/mean device load)"),
                           (ax2, f"modeled fwd speedup vs static EP\n({node}, {shape}; "
-                                "capacity omitted: it drops tokens)")):
+                                "capacity omitted: drops)")):
             ax.set_xticks(range(len(scen)), labels, fontsize=6)
             ax.set_title(title, fontsize=8)
         ax1.axhline(1.10, color="k", lw=0.5, ls="--")

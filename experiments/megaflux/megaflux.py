@@ -16,8 +16,9 @@ What runs: (1) trains a byte-level MoE LM (4 layers, 16 experts, top-2) on the
 Expected:  (small, measured) MegaFlux gamma 1.005-1.008 on the synthetic sweep and 1.02
            on the trained router's traces (static 1.7-2.2 / 2.6; target <= 1.10);
            modeled geomean speedup over static EP on 8xB200 with DeepSeek-V3-sized experts
-           1.63x forward / 1.71x backward (targets 1.45x / 1.28x), but only 1.14x on the
-           trained router's small per-device batches; EPLB gamma 1.06-1.16 without drift,
+           ~1.6-1.7x forward / 1.71x backward (targets 1.45x / 1.28x; the forward number
+           moves a little with the planner time measured on the host), but only ~1.15x on
+           the trained router's small per-device batches; EPLB gamma 1.06-1.16 without drift,
            1.7-1.8 under drift (MegaFlux 1.01); the layer equals the dense reference.
 """
 import ml_collections
