@@ -6,6 +6,7 @@ hashable: tuples, not lists.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 GLOBAL = "global"
 SLIDING = "sliding"
@@ -20,6 +21,11 @@ class MoEConfig:
     top_k: int
     expert_ffn_dim: int
     renormalize: bool = True  # renormalise the top-k router probabilities to sum to 1
+    # Optional replacement for `layers.moe_ffn` with the same signature
+    # (x [N, D], layer params, top_k, renormalize) -> (y [N, D], Routing), e.g. an
+    # expert-parallel layer or a grouped-matmul kernel. None: the ragged_dot reference.
+    # Must be hashable (a module-level function), since the config is static under jit.
+    ffn: Callable | None = None
 
     def __post_init__(self):
         if self.n_experts < 1:

@@ -67,20 +67,26 @@ def sort_by_expert(expert_ids: Int[Array, "N K"], n_experts: int):
 
 
 def expert_ffn(x_sorted: Float[Array, "M D"], group_sizes: Int[Array, "E"], w_gate: Array,
-               w_up: Array, w_down: Array) -> Array:
-    """SwiGLU of expert-sorted rows with ragged (dropless) group sizes."""
-    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+               w_up: Array, w_down: Array, matmul=jax.lax.ragged_dot) -> Array:
+    """SwiGLU of expert-sorted rows with ragged (dropless) group sizes.
+
+    matmul: grouped matmul (lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N];
+      jax.lax.ragged_dot by default.
+    """
+    gate = matmul(x_sorted, w_gate, group_sizes)
+    up = matmul(x_sorted, w_up, group_sizes)
+    return matmul(jax.nn.silu(gate) * up, w_down, group_sizes)
 
 
-def moe_ffn(x: Float[Array, "N D"], p: dict, top_k: int, renormalize: bool):
+def moe_ffn(x: Float[Array, "N D"], p: dict, top_k: int, renormalize: bool,
+            matmul=jax.lax.ragged_dot):
     """Dropless top-k MoE FFN. Returns (y [N, D], Routing)."""
     n_experts = p["router"].shape[-1]
     routing = route(x, p["router"], top_k, renormalize)
     order, group_sizes = sort_by_expert(routing.expert_ids, n_experts)
     token_of = order // top_k
-    y_sorted = expert_ffn(x[token_of], group_sizes, p["w_gate"], p["w_up"], p["w_down"])
+    y_sorted = expert_ffn(x[token_of], group_sizes, p["w_gate"], p["w_up"], p["w_down"],
+                          matmul)
     w_sorted = routing.weights.reshape(-1)[order].astype(y_sorted.dtype)
     y = jnp.zeros_like(x).at[token_of].add(y_sorted * w_sorted[:, None])
     return y, routing

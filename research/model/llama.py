@@ -124,7 +124,8 @@ def _ffn(c: ModelConfig, layer: int, p: dict, h: Array):
     if not c.is_moe(layer):
         return layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), None
     b, t, d = h.shape
-    y, routing = layers.moe_ffn(h.reshape(b * t, d), p, c.moe.top_k, c.moe.renormalize)
+    moe_ffn = c.moe.ffn or layers.moe_ffn
+    y, routing = moe_ffn(h.reshape(b * t, d), p, c.moe.top_k, c.moe.renormalize)
     return y.reshape(b, t, d), routing
 
 
