@@ -3,8 +3,9 @@ r"""The one entry point for servax experiments.
     python -m experiments.run --config=experiments/baseline/baseline.py:small
 
 The config file's `get_config(arg)` returns an ml_collections ConfigDict whose
-`experiment` names a module with `run(config) -> Report`. Results go to
-`<workdir>/<config.run_name>/{results.json, table.md, plot.png}`; the table is printed.
+`experiment` names a module with `run(config, out_dir) -> Report`. Results go to
+`out_dir = <workdir>/<config.run_name>/`: results.json, table.md, plot.png, plus any
+artifacts the experiment writes there (checkpoints, traces); the table is printed.
 Global JAX settings (x64, matmul precision, host device count) are set here only.
 """
 from __future__ import annotations
@@ -48,10 +49,11 @@ def main(argv) -> None:
     from experiments import common
     module = importlib.import_module(config.experiment)
     logging.info("running %s (%s)", config.run_name, config.experiment)
-    t0 = time.perf_counter()
-    report = module.run(config)
-    elapsed = time.perf_counter() - t0
     out_dir = Path(_WORKDIR.value) / config.run_name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report = module.run(config, out_dir)
+    elapsed = time.perf_counter() - t0
     common.write_results(report, out_dir, config.to_dict(), config.seed, sys.argv, elapsed)
     print(common.render_markdown(report))
     print(f"wrote {out_dir}/results.json, table.md" + (", plot.png" if report.plot else "")

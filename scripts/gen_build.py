@@ -81,6 +81,37 @@ def _list(name: str, items: list[str]) -> str:
     return f"    {name} = [\n{body}    ],\n"
 
 
+def library_graph(root: Path = ROOT) -> dict[str, list[str]]:
+    """py_library target -> the targets it depends on."""
+    pkgs = packages(root)
+    pkg_targets = {".".join(p.relative_to(root).parts): target_name(p, root) for p in pkgs}
+    return {target_name(p, root): [d[1:] for d in deps_of(sorted(p.glob("*.py")), pkg_targets,
+                                                         target_name(p, root))]
+            for p in pkgs}
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """A dependency cycle (Bazel rejects them), or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (cycle := visit(n)):
+            return cycle
+    return None
+
+
 def render(root: Path = ROOT) -> str:
     pkgs = packages(root)
     pkg_targets = {".".join(p.relative_to(root).parts): target_name(p, root) for p in pkgs}

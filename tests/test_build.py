@@ -13,6 +13,13 @@ def test_build_file_is_current():
         "BUILD is stale: run `python scripts/gen_build.py`")
 
 
+def test_library_targets_form_a_dag():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gen_build
+    assert gen_build.find_cycle(gen_build.library_graph(ROOT)) is None
+    assert gen_build.find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+
+
 def test_every_package_and_test_has_a_target():
     build = (ROOT / "BUILD").read_text()
     for init in ROOT.glob("research/**/__init__.py"):

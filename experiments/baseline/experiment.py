@@ -54,7 +54,8 @@ def memory_rows(model, budget_gib: float, contexts) -> list[dict]:
     return rows
 
 
-def run(config) -> common.Report:
+def run(config, out_dir) -> common.Report:
+    del out_dir  # the runner writes the report; nothing else to save
     model, tok = load(config.gguf_path or None)
     ids = tok.encode(data.load_text(config.text_path))
     rows = []

@@ -221,9 +221,7 @@ def measure_planner_seconds(n_experts: int, n_devices: int, slots: int) -> float
                           repeats=20)["median_s"]
 
 
-def run(config) -> common.Report:
-    out_dir = Path(config.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def run(config, out_dir: Path) -> common.Report:
     t0 = time.perf_counter()
     tc, trained = train_model(config, out_dir)
     train_s = time.perf_counter() - t0
@@ -296,7 +294,7 @@ def _report(config, rows, check, trained, train_s, tc, planner_s) -> common.Repo
         f"trained MoE LM: byte-level, {tc.n_layers} layers, dim {tc.dim}, {tc.n_experts} "
         f"experts top-{tc.top_k}, {tc.steps} steps ({train_s:.0f}s incl. resume/compile), "
         f"final train loss {gap:.3f} nats/byte, aux {trained.aux_losses[-1]:.3f}; "
-        f"checkpoint + traces in {config.output_dir}",
+        f"checkpoint + traces in {out_dir}",
         f"layer check on {check['tokens']} real hidden states (layer 0, 8 devices, "
         f"{config.traces.replica_slots} slots): gamma {check['gamma_static']:.2f} static -> "
         f"{check['gamma_layer']:.2f} with {check['replicas']} replicas",

@@ -31,7 +31,6 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.experiment = "experiments.megaflux.experiment"
     c.run_name = f"megaflux_{arg}"
-    c.output_dir = f"results/megaflux_{arg}"  # checkpoint + traces (the runner's workdir)
     c.seed = 0
     c.host_devices = 8
     c.matmul_precision = "highest"
