@@ -143,7 +143,9 @@ def _manager(ckpt_dir: Path, tc: TrainConfig) -> ocp.CheckpointManager:
 
 def _save(mngr, step, params, opt_state, losses, aux_losses, tc) -> None:
     state = {"params": params, "opt_state": opt_state}
-    meta = {"config": dataclasses.asdict(tc), "losses": losses, "aux_losses": aux_losses}
+    # Copies: orbax saves asynchronously and the caller keeps appending to these lists.
+    meta = {"config": dataclasses.asdict(tc), "losses": list(losses),
+            "aux_losses": list(aux_losses)}
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                             meta=ocp.args.JsonSave(meta)))
 
