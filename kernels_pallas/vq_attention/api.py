@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
@@ -12,6 +13,7 @@ from kernels_pallas.vq_attention.kernel import BACKENDS, BlockSizes, vq_decode_a
 from kernels_pallas.vq_attention.reference import vq_decode_attention_reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
+_reference = jax.jit(vq_decode_attention_reference, static_argnames=("sm_scale",))
 
 
 def validate_codes_and_codebooks(k_codes, v_codes, k_codebook, v_codebook,
@@ -69,8 +71,8 @@ def vq_decode_attention(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B Hkv 
         raise ValueError(f"lengths must be integer [B={b}], got {lengths.shape=} "
                          f"{lengths.dtype=}")
     if implementation == "xla":
-        return vq_decode_attention_reference(q, k_codes, v_codes, k_codebook, v_codebook,
-                                             lengths, sm_scale).astype(q.dtype)
+        return _reference(q, k_codes, v_codes, k_codebook, v_codebook, lengths,
+                          sm_scale=sm_scale).astype(q.dtype)
     return vq_decode_attention_pallas(q, k_codes, v_codes, k_codebook, v_codebook, lengths,
                                       block_sizes=block_sizes or BlockSizes(),
                                       interpret=interpret, backend=backend,

@@ -107,6 +107,55 @@ def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Arra
                                   sm_scale)[:, 0]
 
 
+def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
+                           v_codes: UInt8[Array, "B Hkv G S"],
+                           k_codebook: Float[Array, "Hc G K g"],
+                           v_codebook: Float[Array, "Hc G K g"],
+                           mask: Bool[Array, "B T S"], block: int = 512,
+                           sm_scale: float | None = None) -> Float[Array, "B T Hq D"]:
+    """The same attention for long query chunks (prefill): keys and values are rebuilt from
+    the centroid tables one block of `block` tokens at a time under an online softmax, so
+    at most one block of dense K/V exists at once.
+
+    Why a second formulation: a lookup table costs (T * Hq/Hkv) * K entries per KV head,
+    which for a chunk of T queries over S ~ T tokens is far larger than the block it would
+    replace; for one decode token over a long context the table is the cheap side.
+    """
+    b, t, hq, d = q.shape
+    _, hkv, g, s = k_codes.shape
+    gq = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    block = min(block, s)
+    n_blocks = -(-s // block)
+    pad = n_blocks * block - s
+    kc = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, pad),)).reshape(b, hkv, g, n_blocks, block)
+    vc = jnp.pad(v_codes, ((0, 0),) * 3 + ((0, pad),)).reshape(b, hkv, g, n_blocks, block)
+    mk = jnp.pad(mask, ((0, 0), (0, 0), (0, pad))).reshape(b, t, n_blocks, block)
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, gq, d) * sm_scale
+
+    def step(carry, xs):
+        m_prev, l_prev, acc = carry  # [B, Hkv, gq, T], same, [B, Hkv, gq, T, D]
+        kcb_, vcb_, mb = xs
+        keys = dequantize(kcb_, k_codebook)  # [B, block, Hkv, D]
+        vals = dequantize(vcb_, v_codebook)
+        sc = jnp.einsum("btkgd,bskd->bkgts", qg, keys)
+        sc = jnp.where(mb[:, None, None], sc, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(sc, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)
+        corr = jnp.exp(jnp.where(jnp.isfinite(m_prev), m_prev - m_safe, -jnp.inf))
+        p = jnp.exp(sc - m_safe[..., None])  # masked -> exp(-inf) = 0
+        l_next = corr * l_prev + jnp.sum(p, axis=-1)
+        acc = corr[..., None] * acc + jnp.einsum("bkgts,bskd->bkgtd", p, vals)
+        return (m_next, l_next, acc), None
+
+    init = (jnp.full((b, hkv, gq, t), -jnp.inf), jnp.zeros((b, hkv, gq, t)),
+            jnp.zeros((b, hkv, gq, t, d)))
+    xs = (jnp.moveaxis(kc, 3, 0), jnp.moveaxis(vc, 3, 0), jnp.moveaxis(mk, 2, 0))
+    (_, l, acc), _ = jax.lax.scan(step, init, xs)
+    out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # empty rows -> 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+
+
 def dequantize(codes: UInt8[Array, "B Hkv G S"], codebook: Float[Array, "Hc G K g"]
                ) -> Float[Array, "B S Hkv D"]:
     """Dense K or V rebuilt from codes. For tests and baselines only: the attention above

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from research.kv.vq import nearest
+
 
 def _sq_dist(x: Float[Array, "N g"], c: Float[Array, "K g"], a: Float[Array, "g"]) -> Array:
     """Weighted squared distances [K, N] (centroids first: XLA:CPU reduces over the leading
@@ -21,19 +23,6 @@ def _sq_dist(x: Float[Array, "N g"], c: Float[Array, "K g"], a: Float[Array, "g"
     xa, ca = x * a, c * a
     d = jnp.sum(c * ca, -1)[:, None] - 2 * ca @ x.T + jnp.sum(x * xa, -1)[None, :]
     return jnp.maximum(d, 0.0)
-
-
-def nearest(d: Float[Array, "K N"]) -> tuple[Array, Array]:
-    """(argmin over axis 0, min distance) of non-negative distances, in one integer min.
-
-    XLA:CPU's variadic argmin reduce is ~10x slower than a min, so the low 8 bits of each
-    f32 distance are replaced by the centroid index: the winner is within a relative 2^-15
-    of the true nearest (only near-ties can differ). K <= 256.
-    """
-    bits = jax.lax.bitcast_convert_type(jnp.maximum(d, 0.0), jnp.int32)
-    keyed = (bits & ~0xFF) | jnp.arange(d.shape[0], dtype=jnp.int32)[:, None]
-    best = jnp.min(keyed, axis=0)
-    return best & 0xFF, jax.lax.bitcast_convert_type(best & ~0xFF, jnp.float32)
 
 
 def _kmeans_pp(key, x, w, a, k):
