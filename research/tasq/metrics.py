@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.kv import memory
-from research.model.llama import Model, forward
+from research.model.llama import Model, default_caches, forward
 
 
 def cache_param_bytes(model: Model) -> int:
@@ -31,25 +31,39 @@ def max_batch_with_codebooks(model: Model, budget_bytes: int, context: int) -> i
     return memory.max_batch(model, budget_bytes - cache_param_bytes(model), context)
 
 
-@functools.partial(jax.jit, static_argnames=())
-def _layer_errors(model: Model, tokens, lengths):
-    """Per layer: |(codec_out - exact_out) W_o| and |exact_out W_o| summed over real tokens."""
-    c = model.config
+@jax.jit
+def _exact_captures(model: Model, tokens, lengths):
+    """Cache-free forward (exact attention); `model` comes with default caches so every
+    codec variant of the same params shares one compilation."""
     out = forward(model, tokens, n_new=lengths, logits="none", capture=True)
-    b, t = tokens.shape
+    return tuple({k: c[k] for k in ("q", "k", "v", "attn")} for c in out.captures)
+
+
+@functools.partial(jax.jit, static_argnames=("window",))
+def _codec_error(cache, wo, q, k, v, attn, lengths, window):
+    """|(codec_out - exact_out) W_o|^2 and |exact_out W_o|^2 over real tokens (one layer)."""
+    b, t, hkv, d = k.shape
+    state = cache.init(b, t, hkv, d)
+    approx, _ = cache.update_and_attend(state, q, k, v, start=jnp.zeros((b,), jnp.int32),
+                                        n_new=lengths, window=window)
+    wo = wo.astype(jnp.float32)
+    exact = attn.astype(jnp.float32) @ wo
+    diff = approx.reshape(b, t, -1).astype(jnp.float32) @ wo - exact
     valid = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]
-    zeros = jnp.zeros((b,), jnp.int32)
+    return (jnp.sum(jnp.where(valid, diff * diff, 0.0)),
+            jnp.sum(jnp.where(valid, exact * exact, 0.0)))
+
+
+def _layer_errors(model: Model, tokens, lengths):
+    c = model.config
+    caps = _exact_captures(model.replace(caches=default_caches(c)), tokens, lengths)
     errs, norms = [], []
-    for layer, cap in enumerate(out.captures):
-        cache = model.caches[layer]
-        state = cache.init(b, t, c.n_kv_heads, c.head_dim)
-        approx, _ = cache.update_and_attend(state, cap["q"], cap["k"], cap["v"], start=zeros,
-                                            n_new=lengths, window=c.window(layer))
-        wo = model.params["layers"][layer]["wo"].astype(jnp.float32)
-        exact = cap["attn"].astype(jnp.float32) @ wo
-        diff = approx.reshape(b, t, -1).astype(jnp.float32) @ wo - exact
-        errs.append(jnp.sum(jnp.where(valid, diff * diff, 0.0)))
-        norms.append(jnp.sum(jnp.where(valid, exact * exact, 0.0)))
+    for layer, cap in enumerate(caps):
+        e, n = _codec_error(model.caches[layer], model.params["layers"][layer]["wo"],
+                            cap["q"], cap["k"], cap["v"], cap["attn"], lengths,
+                            c.window(layer))
+        errs.append(e)
+        norms.append(n)
     return jnp.stack(errs), jnp.stack(norms)
 
 
