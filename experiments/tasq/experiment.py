@@ -101,23 +101,38 @@ def time_decode(cache: VQKVCache, model_config, context: int, batch: int, warmup
     dense_fn = jax.jit(_dense_decode)
     vq_fn = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
         q, kc, vc, cache.key_codebook, cache.value_codebook, n))
-    dense_t = common.time_fn(lambda: dense_fn(q, k, v, lengths), warmup=warmup,
-                             repeats=repeats)
-    vq_t = common.time_fn(lambda: vq_fn(q, kc, vc, lengths), warmup=warmup, repeats=repeats)
-    step = {name: _time_step(cch, state, c, batch, context, warmup, repeats, rng)
-            for name, cch, state in (("bf16", DenseKVCache("bfloat16"), {"k": k, "v": v}),
-                                     ("1bit", cache, {"k_codes": kc, "v_codes": vc}))}
-    return {"context": context, "bf16_ms": dense_t["median_s"] * 1e3,
-            "1bit_ms": vq_t["median_s"] * 1e3,
-            "speedup": dense_t["median_s"] / vq_t["median_s"],
+    read = interleaved_medians({"bf16": lambda: dense_fn(q, k, v, lengths),
+                                "1bit": lambda: vq_fn(q, kc, vc, lengths)}, warmup, repeats)
+    step = interleaved_medians({
+        "bf16": _decode_step(DenseKVCache("bfloat16"), {"k": k, "v": v}, c, batch, context,
+                             rng),
+        "1bit": _decode_step(cache, {"k_codes": kc, "v_codes": vc}, c, batch, context, rng)},
+        warmup, repeats)
+    return {"context": context, "bf16_ms": read["bf16"] * 1e3, "1bit_ms": read["1bit"] * 1e3,
+            "speedup": read["bf16"] / read["1bit"],
             "bf16_step_ms": step["bf16"] * 1e3, "1bit_step_ms": step["1bit"] * 1e3,
             "step_speedup": step["bf16"] / step["1bit"],
             "bf16_bytes": int(k.nbytes + v.nbytes), "1bit_bytes": int(kc.nbytes + vc.nbytes)}
 
 
-def _time_step(cache, state, c, batch, context, warmup, repeats, rng) -> float:
-    """Median seconds of update_and_attend for one new token, cache state donated (as in a
-    decode loop), so neither path pays for copying its state."""
+def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict:
+    """Median seconds of each fn, timed in alternation (A, B, A, B, ...) after warm-up, so a
+    shared machine's load drifts hit both sides alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _decode_step(cache, state, c, batch, context, rng):
+    """A callable running update_and_attend for one new token with the cache state donated
+    (as in a decode loop), so neither path pays for copying its state."""
     q = jnp.asarray(rng.normal(size=(batch, 1, c.n_heads, c.head_dim)), jnp.float32)
     kv = jnp.asarray(rng.normal(size=(batch, 1, c.n_kv_heads, c.head_dim)), jnp.float32)
     start = jnp.full((batch,), context - 1, jnp.int32)
@@ -130,7 +145,7 @@ def _time_step(cache, state, c, batch, context, warmup, repeats, rng) -> float:
         out, box[0] = fn(box[0])
         return out
 
-    return common.time_fn(call, warmup=warmup, repeats=repeats)["median_s"]
+    return call
 
 
 # -- report -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ one-hot matmuls: per group g, onehot[k, t] = (code[g, t] == k), then
     bins    = p [rows, t] @ onehot^T [t, K]            (softmax weights binned per code)
     acc_g   = corr * acc_g + bins @ centroids_g [K, g] (values, never rebuilt per token)
 This costs ~K/g times the FLOPs of dense attention (it trades bytes for MXU/tensor-core
-work); see README of the experiment for what that means on each backend.
+work); see experiments/tasq/README.md for what that means on each backend.
 """
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Context tokens per inner step and inner steps per grid program."""
+    """Context tokens per inner step and inner steps per grid program.
+
+    Each step builds [K, block_kv] one-hot tiles per group: 512 suits TPU VMEM; on GPU
+    (Triton keeps tiles in registers) use ~64 and more blocks per split.
+    """
 
     block_kv: int = 512
     blocks_per_split: int = 8

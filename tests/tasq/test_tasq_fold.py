@@ -25,8 +25,8 @@ def test_fold_is_exact_on_tiny_model_and_rescales_the_cache_inputs(tiny):
     ks, vs = _scales(tiny, 0)
     folded = fold_kv_scales(tiny, ks, vs)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 12)), jnp.int32)
-    a = forward(tiny, tokens, capture=True)
-    b = forward(folded, tokens, capture=True)
+    fwd = jax.jit(lambda m: forward(m, tokens, capture=True))
+    a, b = fwd(tiny), fwd(folded)
     np.testing.assert_allclose(b.logits, a.logits, rtol=1e-5, atol=1e-5)
     # ... while the cache really sees scaled post-RoPE keys and values
     np.testing.assert_allclose(b.captures[1]["k"], a.captures[1]["k"] * ks[1], rtol=1e-5,
@@ -36,8 +36,8 @@ def test_fold_is_exact_on_tiny_model_and_rescales_the_cache_inputs(tiny):
     # and through the KV cache (prefill + decode) as well
     st = tiny.init_cache(2, 16)
     st_f = folded.init_cache(2, 16)
-    la = forward(tiny, tokens, cache_states=st, logits="last").logits
-    lb = forward(folded, tokens, cache_states=st_f, logits="last").logits
+    fwd_cached = jax.jit(lambda m, s: forward(m, tokens, cache_states=s, logits="last").logits)
+    la, lb = fwd_cached(tiny, st), fwd_cached(folded, st_f)
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
 
 
@@ -48,8 +48,8 @@ def test_fold_is_exact_on_smollm2(smollm2):
     folded = fold_kv_scales(model, ks, vs)
     tokens = jnp.asarray([tok.encode("The capital of France is Paris, and the capital")],
                          jnp.int32)
-    a = forward(model, tokens, logits="all").logits
-    b = forward(folded, tokens, logits="all").logits
+    fwd = jax.jit(lambda m: forward(m, tokens).logits)
+    a, b = fwd(model), fwd(folded)
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-4)
     assert int(jnp.argmax(a[0, -1])) == int(jnp.argmax(b[0, -1]))
 

@@ -95,8 +95,8 @@ def test_artifacts_roundtrip_and_fingerprint(calibrated, model16, tmp_path):
     m2 = tasq(CFG).apply(model16, back)
     toks = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 10)), jnp.int32)
     st1, st2 = m.init_cache(1, 10), m2.init_cache(1, 10)
-    np.testing.assert_array_equal(forward(m, toks, cache_states=st1).logits,
-                                  forward(m2, toks, cache_states=st2).logits)
+    fwd = jax.jit(lambda mm, st: forward(mm, toks, cache_states=st).logits)
+    np.testing.assert_array_equal(fwd(m, st1), fwd(m2, st2))
     other = make_model(model16.config, init_params(model16.config, jax.random.key(9)))
     with pytest.raises(ValueError, match="different model"):
         restore_state(path, other)
