@@ -6,7 +6,6 @@ Only calibration text goes in here; evaluation text never does.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -25,7 +24,7 @@ class LayerStats(NamedTuple):
     q_sq: np.ndarray    # [Hkv, D] E[q_c^2] over tokens and the KV head's query heads
 
 
-@functools.partial(jax.jit, static_argnames=())
+@jax.jit
 def _capture(model: Model, tokens, lengths):
     out = forward(model, tokens, n_new=lengths, logits="none", capture=True)
     return tuple({k: c[k] for k in ("q", "k", "k_pre", "v")} for c in out.captures)
