@@ -1,0 +1,266 @@
+"""TaSQ experiment (see tasq.py for the command): codecs, ablation, memory, decode speed."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from experiments import common
+from kernels_pallas.vq_attention import vq_decode_attention
+from research import data
+from research.eval.perplexity import perplexity
+from research.kv import memory
+from research.kv.dense import DenseKVCache
+from research.kv.vq import VQKVCache
+from research.model import load
+from research.core.attention import attend
+from research.tasq import TaSQConfig, plain_vq, tasq
+from research.tasq.baselines import cq_style, int8_kv, kivi_kv, sign_kv
+from research.tasq.metrics import (attention_output_error, bits_per_channel,
+                                   cache_param_bytes, max_batch_with_codebooks)
+from research.transforms import CalibrationData, calibrate_and_apply, chain, kv_cache_dtype
+
+BF16 = "bf16"
+TASQ = "TaSQ (1 bit)"
+
+
+def variants(config) -> list[tuple[str, str, object]]:
+    """(name, role, transform) for every row of the table."""
+    km = dict(kmeans_iters=config.tasq.kmeans_iters, max_points=config.tasq.max_points,
+              seed=config.seed)
+    full = TaSQConfig(bits=1, **km)
+    abl = lambda **ch: tasq(dataclasses.replace(full, **ch))  # noqa: E731
+    k = config.kivi
+    return [
+        ("f32", "reference", chain()),
+        (BF16, "baseline", kv_cache_dtype("bfloat16")),
+        ("int8 per-token", "baseline", int8_kv()),
+        ("KIVI-2 (fp window)", "baseline", kivi_kv(2, k.key_group, k.value_group, k.residual)),
+        ("sign-bit (QJL-like keys)", "baseline 1-bit", sign_kv(config.seed)),
+        ("plain VQ", "baseline 1-bit", plain_vq(1, **km)),
+        ("CQ-style (pre-RoPE)", "baseline 1-bit", cq_style(1, km["kmeans_iters"],
+                                                            km["max_points"], config.seed)),
+        (TASQ, "tasq", tasq(full)),
+        ("TaSQ - query weighting", "ablation", abl(query_weighting=False)),
+        ("TaSQ - channel grouping", "ablation", abl(channel_grouping=False)),
+        ("TaSQ - head normalization", "ablation", abl(head_normalization=False)),
+        ("TaSQ shared codebooks", "ablation", abl(share_codebooks=True)),
+        ("TaSQ shared codebooks - head norm", "ablation",
+         abl(share_codebooks=True, head_normalization=False)),
+        ("TaSQ (2 bits)", "tasq", tasq(dataclasses.replace(full, bits=2))),
+    ]
+
+
+def measure_variant(model, transform, cal, held_ids, attn_tokens, config) -> dict:
+    t0 = time.perf_counter()
+    m, _ = calibrate_and_apply(transform, model, cal)
+    calib_s = time.perf_counter() - t0
+    p = config.ppl
+    ppl = perplexity(m, held_ids, window=p.window, stride=p.stride, batch_size=p.batch_size,
+                     max_windows=p.max_windows)
+    err = attention_output_error(m, attn_tokens)
+    ctx, budget = config.memory.context, int(config.memory.budget_gib * memory.GiB)
+    return {"bits/ch": bits_per_channel(m, ctx),
+            "codebook KiB": cache_param_bytes(m) / 1024,
+            "KV B/token": memory.kv_bytes_per_token(m, ctx),
+            "max batch": max_batch_with_codebooks(m, budget, ctx),
+            "perplexity": ppl.ppl, "attn err": err["mean"], "calib s": calib_s,
+            "_per_layer_err": err["per_layer"], "_model": m}
+
+
+# -- decode-attention timing ------------------------------------------------------------------
+
+def _dense_decode(q, k, v, lengths):
+    """The bf16 path: core masked GQA attention over a dense bf16 cache (one query)."""
+    b, s = k.shape[:2]
+    kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+    return attend(q[:, None], k, v, (lengths - 1)[:, None], kv_pos,
+                  kv_pos < lengths[:, None])[:, 0]
+
+
+def time_decode(cache: VQKVCache, model_config, context: int, batch: int, warmup: int,
+                repeats: int, seed: int) -> dict:
+    """Median seconds of one decode query's attention over `context` cached tokens, read
+    from (a) dense bf16 K/V and (b) 1-bit codes through lookup tables; plus a full decode
+    step (encode + write + attend) of each cache with the state donated."""
+    c = model_config
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(batch, c.n_heads, c.head_dim)), jnp.float32)
+    kv_shape = (batch, context, c.n_kv_heads, c.head_dim)
+    k = jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16)
+    g = cache.key_codebook.shape[1]
+    codes = (batch, c.n_kv_heads, g, context)
+    kc = jnp.asarray(rng.integers(0, 256, codes), jnp.uint8)
+    vc = jnp.asarray(rng.integers(0, 256, codes), jnp.uint8)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    dense_fn = jax.jit(_dense_decode)
+    vq_fn = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
+        q, kc, vc, cache.key_codebook, cache.value_codebook, n))
+    read = interleaved_medians({"bf16": lambda: dense_fn(q, k, v, lengths),
+                                "1bit": lambda: vq_fn(q, kc, vc, lengths)}, warmup, repeats)
+    step = interleaved_medians({
+        "bf16": _decode_step(DenseKVCache("bfloat16"), {"k": k, "v": v}, c, batch, context,
+                             rng),
+        "1bit": _decode_step(cache, {"k_codes": kc, "v_codes": vc}, c, batch, context, rng)},
+        warmup, repeats)
+    return {"context": context, "bf16_ms": read["bf16"] * 1e3, "1bit_ms": read["1bit"] * 1e3,
+            "speedup": read["bf16"] / read["1bit"],
+            "bf16_step_ms": step["bf16"] * 1e3, "1bit_step_ms": step["1bit"] * 1e3,
+            "step_speedup": step["bf16"] / step["1bit"],
+            "bf16_bytes": int(k.nbytes + v.nbytes), "1bit_bytes": int(kc.nbytes + vc.nbytes)}
+
+
+def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict:
+    """Median seconds of each fn, timed in alternation (A, B, A, B, ...) after warm-up, so a
+    shared machine's load drifts hit both sides alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _decode_step(cache, state, c, batch, context, rng):
+    """A callable running update_and_attend for one new token with the cache state donated
+    (as in a decode loop), so neither path pays for copying its state."""
+    q = jnp.asarray(rng.normal(size=(batch, 1, c.n_heads, c.head_dim)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(batch, 1, c.n_kv_heads, c.head_dim)), jnp.float32)
+    start = jnp.full((batch,), context - 1, jnp.int32)
+    one = jnp.ones((batch,), jnp.int32)
+    fn = jax.jit(lambda s: cache.update_and_attend(s, q, kv, kv, start=start, n_new=one,
+                                                   window=None), donate_argnums=0)
+    box = [jax.tree.map(jnp.copy, state)]
+
+    def call():
+        out, box[0] = fn(box[0])
+        return out
+
+    return call
+
+
+# -- report -------------------------------------------------------------------------------------
+
+def _plot(rows, timing):
+    def draw(fig):
+        ax1, ax2 = fig.subplots(1, 2)
+        for r in rows:
+            if r["codec"] == "f32":
+                ax1.axhline(r["perplexity"], color="gray", ls="--", lw=1, label="f32")
+                continue
+            marker = "*" if r["role"] == "tasq" else ("x" if r["role"] == "ablation" else "o")
+            ax1.scatter(r["bits/ch"], r["perplexity"], marker=marker, s=60)
+            ax1.annotate(r["codec"], (r["bits/ch"], r["perplexity"]), fontsize=6,
+                         xytext=(3, 2), textcoords="offset points")
+        ax1.set_xscale("log", base=2)
+        ax1.set_yscale("log")
+        ax1.set_xlabel("bits per channel (cache state, all overhead)")
+        ax1.set_ylabel("held-out perplexity")
+        ax1.legend(fontsize=7)
+        ctx = [t["context"] for t in timing]
+        ax2.plot(ctx, [t["bf16_ms"] for t in timing], "o-", label="bf16 dense")
+        ax2.plot(ctx, [t["1bit_ms"] for t in timing], "s-", label="1-bit codes (LUT)")
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("context (tokens)")
+        ax2.set_ylabel("decode attention, ms (median)")
+        ax2.legend(fontsize=7)
+        ax2.set_title(f"CPU XLA ({jax.default_backend()})", fontsize=8)
+    return draw
+
+
+def _claims(rows, timing, config) -> list[dict]:
+    by = {r["codec"]: r for r in rows}
+    t, bf = by[TASQ], by[BF16]
+    ratio = t["max batch"] / bf["max batch"]
+    claims = [common.claim(f"max batch vs bf16 at 1 bit ({config.memory.context} ctx, "
+                           f"{config.memory.budget_gib:g} GiB)", ">= 14x", f"{ratio:.2f}x",
+                           ratio >= 14)]
+    for other in ("plain VQ", "CQ-style (pre-RoPE)", "sign-bit (QJL-like keys)"):
+        o = by[other]
+        claims.append(common.claim(
+            f"TaSQ ppl gap < {other}", f"< {o['ppl gap %']:.1f}% (at {o['bits/ch']:.2f} b/ch)",
+            f"{t['ppl gap %']:.1f}% (at {t['bits/ch']:.2f} b/ch)",
+            t["ppl gap %"] < o["ppl gap %"]))
+    for name in ("TaSQ - query weighting", "TaSQ - channel grouping",
+                 "TaSQ - head normalization", "TaSQ shared codebooks"):
+        a = by[name]
+        claims.append(common.claim(f"ablation: {name}", "gap rises without it",
+                                   f"{a['ppl gap %']:.1f}% vs {t['ppl gap %']:.1f}%; "
+                                   f"attn err {a['attn err']:.3f} vs {t['attn err']:.3f}",
+                                   None))
+    last = timing[-1]
+    claims.append(common.claim(f"1-bit decode attention vs bf16 at {last['context']} ctx (CPU)",
+                               ">= 2x faster", f"{last['speedup']:.2f}x",
+                               last["speedup"] >= 2))
+    return claims
+
+
+def run(config, out_dir=None) -> common.Report:
+    model, tok = load(config.gguf_path or None)
+    cal_ids = tok.encode(data.corpus_text("calibration"))
+    held_ids = tok.encode(data.corpus_text("heldout"))
+    cal = CalibrationData.from_ids(cal_ids, config.calibration.seq_len,
+                                   config.calibration.n_seqs)
+    a = config.attn_error
+    attn_tokens = np.asarray(held_ids[:a.n_seqs * a.seq_len], np.int32).reshape(a.n_seqs,
+                                                                                 a.seq_len)
+    rows, per_layer, tasq_model = [], {}, None
+    for name, role, transform in tqdm(variants(config), desc="codecs"):
+        r = measure_variant(model, transform, cal, held_ids, attn_tokens, config)
+        per_layer[name] = r.pop("_per_layer_err")
+        m = r.pop("_model")
+        if name == TASQ:
+            tasq_model = m
+        rows.append({"codec": name, "role": role, **r})
+    f32 = rows[0]["perplexity"]
+    bf = next(r for r in rows if r["codec"] == BF16)
+    for r in rows:
+        r["ppl gap %"] = 100 * (r["perplexity"] / f32 - 1)
+        r["x batch vs bf16"] = r["max batch"] / bf["max batch"]
+    tm = config.timing
+    timing = [time_decode(tasq_model.caches[0], model.config, ctx, tm.batch, tm.warmup,
+                          tm.repeats, config.seed) for ctx in tqdm(tm.contexts, desc="timing")]
+    columns = ["codec", "role", "bits/ch", "KV B/token", "codebook KiB", "max batch",
+               "x batch vs bf16", "perplexity", "ppl gap %", "attn err", "calib s"]
+    timing_lines = [f"ctx {t['context']}: bf16 {t['bf16_ms']:.2f} ms vs 1-bit {t['1bit_ms']:.2f}"
+                    f" ms ({t['speedup']:.2f}x; bytes {t['bf16_bytes']} vs {t['1bit_bytes']}); "
+                    f"full decode step (encode+write+attend, donated state) "
+                    f"{t['bf16_step_ms']:.2f} vs {t['1bit_step_ms']:.2f} ms "
+                    f"({t['step_speedup']:.2f}x)" for t in timing]
+    notes = [
+        f"held-out text {len(held_ids)} tokens (perplexity: {config.ppl.max_windows} windows "
+        f"of {config.ppl.window}, stride {config.ppl.stride}); calibration "
+        f"{config.calibration.n_seqs}x{config.calibration.seq_len} tokens of the calibration "
+        "split only",
+        "bits/ch and KV B/token: bytes of the real cache state arrays (eval_shape of "
+        f"init_cache) at {config.memory.context} context, per K/V channel, all per-token and "
+        "per-block scales and KIVI's full-precision ring included; codebooks/permutations/"
+        "projections (cache leaves) are reported separately (codebook KiB) and subtracted "
+        f"from the {config.memory.budget_gib:g} GiB budget before max batch is computed",
+        "attn err: relative error of each layer's attention output after W_o when that "
+        f"layer's K/V go through the codec (exact q/k/v fed in), mean over layers, "
+        f"{a.n_seqs}x{a.seq_len} held-out tokens",
+        "sign-bit: QJL-style 1-bit key sketch (m = head_dim Gaussian projections + f16 norm) "
+        "and 1-bit sign values with an f16 scale per token; CQ-style: adjacent 8-channel "
+        "groups, pre-RoPE keys, per-head plain k-means, dense dequantise+RoPE on read; plain "
+        "VQ = the same codec as TaSQ on raw post-RoPE K/V with adjacent groups",
+        "perplexity prefills each window through the cache, so every codec is read back "
+        "for every token (KIVI: positions within `residual` of the query read full "
+        "precision)",
+        "decode attention timing (same process, medians after warm-up, batch "
+        f"{tm.batch}, SmolLM2 layer shapes, TaSQ layer-0 codebooks): " + "; ".join(timing_lines),
+    ]
+    return common.Report(columns=columns, rows=rows,
+                         title="TaSQ: 1-bit VQ KV cache vs alternatives, SmolLM2-135M-Instruct",
+                         claims=_claims(rows, timing, config),
+                         extra={"timing": timing, "attn_err_per_layer": per_layer},
+                         plot=_plot(rows, timing), notes=notes)

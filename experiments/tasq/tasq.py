@@ -1,0 +1,36 @@
+r"""TaSQ vs the 1-bit (and 2/8-bit) KV-cache alternatives on SmolLM2-135M-Instruct.
+
+Command:   python -m experiments.run --config=experiments/tasq/tasq.py:small
+Hardware:  small = CPU, ~10 minutes on 2 cores (4k calibration tokens, 8 perplexity
+           windows of 256); full = CPU/GPU, ~1 hour (32k calibration tokens, 64 windows).
+Expected:  one table over held-out text with every codec and the TaSQ ablation: bits per
+           channel from the real cache arrays (1.0 for TaSQ), max batch at a fixed budget
+           vs bf16 (~16x at 1 bit), perplexity and attention-output error; 1-bit codecs
+           lose a lot of perplexity on a 135M model (see results/tasq_small/table.md);
+           decode attention over 1-bit codes several times faster than the bf16 path at
+           32k context on CPU XLA (same process, medians after warm-up).
+"""
+import ml_collections
+
+
+def get_config(arg: str = "small") -> ml_collections.ConfigDict:
+    if arg not in ("small", "full"):
+        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
+    small = arg == "small"
+    c = ml_collections.ConfigDict()
+    c.experiment = "experiments.tasq.experiment"
+    c.run_name = f"tasq_{arg}"
+    c.seed = 0
+    c.gguf_path = ""
+    c.calibration = ml_collections.ConfigDict(dict(
+        seq_len=256, n_seqs=16 if small else 128))
+    c.tasq = ml_collections.ConfigDict(dict(
+        kmeans_iters=10 if small else 20, max_points=4096 if small else 32768))
+    c.ppl = ml_collections.ConfigDict(dict(
+        window=256, stride=128, batch_size=4, max_windows=8 if small else 64))
+    c.attn_error = ml_collections.ConfigDict(dict(n_seqs=2 if small else 8, seq_len=256))
+    c.memory = ml_collections.ConfigDict(dict(budget_gib=16.0, context=4096))
+    c.timing = ml_collections.ConfigDict(dict(
+        contexts=(4096, 16384, 32768), batch=1, warmup=2, repeats=7 if small else 21))
+    c.kivi = ml_collections.ConfigDict(dict(key_group=32, value_group=32, residual=128))
+    return c

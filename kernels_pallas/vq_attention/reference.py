@@ -1,0 +1,168 @@
+"""Plain-JAX attention that reads vector-quantised K/V codes directly (the oracle).
+
+Layout shared by the cache codec (research/kv/vq.py), this reference and the Pallas
+kernel:
+
+    codes     uint8 [B, Hkv, G, S]   one code per (token, KV head, channel group); the group
+                                      axis comes before the context axis so that each group's
+                                      codes are a contiguous run of S bytes (XLA:CPU gathers
+                                      and scatters over such runs vectorise; the transposed
+                                      [S, G] layout was measured ~5x slower).
+    codebook  f32   [Hc, G, K, g]    K centroids of g channels per group; Hc is 1 (shared by
+                                      all KV heads) or Hkv.
+    q         [B, T, Hq, D]          queries in the codec's channel order, D = G * g.
+
+Keys are never rebuilt: a per-query lookup table LUT[g, k] = q_g . centroid_k (one row of
+K entries per group) turns each key score into G table reads. Values are never rebuilt
+either: per group the softmax weights are summed into K per-code bins (a segment sum), and
+the bins are multiplied by the centroid table once.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, UInt8
+
+from research.core.attention import masked_softmax_weights
+
+
+def _codebook_for_heads(codebook: Array, n_kv_heads: int) -> Array:
+    """[Hc, G, K, g] -> [Hkv, G, K, g] (a shared codebook serves every head)."""
+    return jnp.broadcast_to(codebook, (n_kv_heads,) + codebook.shape[1:])
+
+
+def lookup_tables(q: Float[Array, "B T Hq D"], k_codebook: Float[Array, "Hc G K g"],
+                  n_kv_heads: int, sm_scale: float) -> Float[Array, "B Hkv R G K"]:
+    """Per-query tables: LUT[b, h, r, g, k] = sm_scale * q_g . centroid_{h,g,k}.
+
+    Rows r enumerate (t, query head of the KV group) as r = t * (Hq / Hkv) + j.
+    """
+    b, t, hq, d = q.shape
+    hc, g, kk, gs = k_codebook.shape
+    qg = q.astype(jnp.float32).reshape(b, t, n_kv_heads, hq // n_kv_heads, g, gs)
+    cb = _codebook_for_heads(k_codebook.astype(jnp.float32), n_kv_heads)
+    lut = jnp.einsum("bthjgc,hgkc->bhtjgk", qg, cb) * sm_scale
+    return lut.reshape(b, n_kv_heads, t * (hq // n_kv_heads), g, kk)
+
+
+def scores_from_codes(lut: Float[Array, "R G K"], codes: UInt8[Array, "G S"]) -> Array:
+    """score[r, s] = sum_g LUT[r, g, codes[g, s]]  ->  [R, S]."""
+    idx = codes.astype(jnp.int32)
+    total = jnp.take(lut[:, 0, :], idx[0], axis=1)
+    for g in range(1, codes.shape[0]):
+        total = total + jnp.take(lut[:, g, :], idx[g], axis=1)
+    return total
+
+
+def values_from_codes(weights: Float[Array, "R S"], codes: UInt8[Array, "G S"],
+                      codebook: Float[Array, "G K g"]) -> Float[Array, "R D"]:
+    """out[r] = sum_s w[r, s] * centroid(codes[:, s]) via per-code bins, never rebuilding V."""
+    n_codes = codebook.shape[1]
+    wt = weights.T  # [S, R]: segment_sum reduces over the leading axis
+    outs = []
+    for g in range(codes.shape[0]):
+        bins = jax.ops.segment_sum(wt, codes[g].astype(jnp.int32), num_segments=n_codes)
+        outs.append(bins.T @ codebook[g].astype(jnp.float32))  # [R, K] @ [K, g]
+    return jnp.concatenate(outs, axis=-1)
+
+
+def vq_attention_reference(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
+                           v_codes: UInt8[Array, "B Hkv G S"],
+                           k_codebook: Float[Array, "Hc G K g"],
+                           v_codebook: Float[Array, "Hc G K g"],
+                           mask: Bool[Array, "B T S"],
+                           sm_scale: float | None = None) -> Float[Array, "B T Hq D"]:
+    """Masked GQA attention of `q` over coded K/V; f32 output. All-masked rows give zeros."""
+    b, t, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    gq = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    lut = lookup_tables(q, k_codebook, hkv, sm_scale)  # [B, Hkv, R, G, K]
+    vcb = _codebook_for_heads(v_codebook, hkv)
+    row_mask = jnp.repeat(mask, gq, axis=1)  # [B, R, S], rows r = t * gq + j
+
+    def one_head(lut_bh, kc_bh, vc_bh, vcb_h, mask_b):
+        w = masked_softmax_weights(scores_from_codes(lut_bh, kc_bh), mask_b)
+        return values_from_codes(w, vc_bh, vcb_h)  # [R, D]
+
+    per_head = jax.vmap(one_head, in_axes=(0, 0, 0, 0, None))  # over KV heads
+    out = jax.vmap(per_head, in_axes=(0, 0, 0, None, 0))(lut, k_codes, v_codes, vcb, row_mask)
+    # out: [B, Hkv, T * gq, D] -> [B, T, Hq, D]
+    out = out.reshape(b, hkv, t, gq, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, t, hq, d)
+
+
+def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
+                                  v_codes: UInt8[Array, "B Hkv G S"],
+                                  k_codebook: Float[Array, "Hc G K g"],
+                                  v_codebook: Float[Array, "Hc G K g"],
+                                  lengths: Int[Array, "B"],
+                                  sm_scale: float | None = None) -> Float[Array, "B Hq D"]:
+    """One decode query per row over its first `lengths[b]` cached tokens (the kernel's oracle)."""
+    s = k_codes.shape[-1]
+    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :]  # [B, 1, S]
+    return vq_attention_reference(q[:, None], k_codes, v_codes, k_codebook, v_codebook, mask,
+                                  sm_scale)[:, 0]
+
+
+def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
+                           v_codes: UInt8[Array, "B Hkv G S"],
+                           k_codebook: Float[Array, "Hc G K g"],
+                           v_codebook: Float[Array, "Hc G K g"],
+                           mask: Bool[Array, "B T S"], block: int = 512,
+                           sm_scale: float | None = None) -> Float[Array, "B T Hq D"]:
+    """The same attention for long query chunks (prefill): keys and values are rebuilt from
+    the centroid tables one block of `block` tokens at a time under an online softmax, so
+    at most one block of dense K/V exists at once.
+
+    Why a second formulation: a lookup table costs (T * Hq/Hkv) * K entries per KV head,
+    which for a chunk of T queries over S ~ T tokens is far larger than the block it would
+    replace; for one decode token over a long context the table is the cheap side.
+    """
+    b, t, hq, d = q.shape
+    _, hkv, g, s = k_codes.shape
+    gq = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    block = min(block, s)
+    n_blocks = -(-s // block)
+    pad = n_blocks * block - s
+    kc = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, pad),)).reshape(b, hkv, g, n_blocks, block)
+    vc = jnp.pad(v_codes, ((0, 0),) * 3 + ((0, pad),)).reshape(b, hkv, g, n_blocks, block)
+    mk = jnp.pad(mask, ((0, 0), (0, 0), (0, pad))).reshape(b, t, n_blocks, block)
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, gq, d) * sm_scale
+
+    def step(carry, xs):
+        m_prev, l_prev, acc = carry  # [B, Hkv, gq, T], same, [B, Hkv, gq, T, D]
+        kcb_, vcb_, mb = xs
+        keys = dequantize(kcb_, k_codebook)  # [B, block, Hkv, D]
+        vals = dequantize(vcb_, v_codebook)
+        sc = jnp.einsum("btkgd,bskd->bkgts", qg, keys)
+        sc = jnp.where(mb[:, None, None], sc, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(sc, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_next), m_next, 0.0)
+        corr = jnp.exp(jnp.where(jnp.isfinite(m_prev), m_prev - m_safe, -jnp.inf))
+        p = jnp.exp(sc - m_safe[..., None])  # masked -> exp(-inf) = 0
+        l_next = corr * l_prev + jnp.sum(p, axis=-1)
+        acc = corr[..., None] * acc + jnp.einsum("bkgts,bskd->bkgtd", p, vals)
+        return (m_next, l_next, acc), None
+
+    init = (jnp.full((b, hkv, gq, t), -jnp.inf), jnp.zeros((b, hkv, gq, t)),
+            jnp.zeros((b, hkv, gq, t, d)))
+    xs = (jnp.moveaxis(kc, 3, 0), jnp.moveaxis(vc, 3, 0), jnp.moveaxis(mk, 2, 0))
+    (_, l, acc), _ = jax.lax.scan(step, init, xs)
+    out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # empty rows -> 0
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+
+
+def dequantize(codes: UInt8[Array, "B Hkv G S"], codebook: Float[Array, "Hc G K g"]
+               ) -> Float[Array, "B S Hkv D"]:
+    """Dense K or V rebuilt from codes. For tests and baselines only: the attention above
+    never calls it."""
+    b, hkv, g, s = codes.shape
+    cb = _codebook_for_heads(codebook.astype(jnp.float32), hkv)  # [Hkv, G, K, gs]
+    h_idx = jnp.arange(hkv)[None, :, None, None]
+    g_idx = jnp.arange(g)[None, None, :, None]
+    vals = cb[h_idx, g_idx, codes.astype(jnp.int32)]  # [B, Hkv, G, S, gs]
+    return vals.transpose(0, 3, 1, 2, 4).reshape(b, s, hkv, g * cb.shape[-1])

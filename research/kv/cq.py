@@ -1,0 +1,61 @@
+"""CQ-style coupled quantisation (Zhang et al., 2024): adjacent channels coupled into one
+code, keys quantised before RoPE.
+
+Groups are runs of `g` adjacent channels (no permutation, no weighting, per-head
+codebooks learnt by plain k-means: CQ's "uniform" centroid learning; its Fisher-guided
+variant needs per-token gradients and is not reproduced). Because the codes hold pre-RoPE
+keys, a per-query lookup table cannot serve every position: keys are rebuilt from the
+centroids and rotated at their positions on every read (CQ's own read path), so this codec
+materialises dense K/V; it is a quality baseline, not a fast path.
+
+The cache receives post-RoPE keys from the model, so it un-rotates them (RoPE by -position,
+exact up to float rounding) before encoding. `rope_theta` must be the model's.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from kernels_pallas.vq_attention.reference import dequantize
+from research.kv.base import KVCache, write_positions
+from research.kv.vq import encode, scatter_codes
+from research.core.attention import attend
+from research.core.rope import apply_rope
+from research.core.pytree import pytree_dataclass, static_field
+
+
+@pytree_dataclass
+class CQKVCache(KVCache):
+    key_codebook: Array    # [Hkv, G, K, g] over pre-RoPE keys
+    value_codebook: Array  # [Hkv, G, K, g]
+    rope_theta: float = static_field(default=10000.0)
+
+    def init(self, batch, max_len, n_kv_heads, head_dim):
+        for name, cb in (("key_codebook", self.key_codebook),
+                         ("value_codebook", self.value_codebook)):
+            if cb.shape[0] not in (1, n_kv_heads) or cb.shape[1] * cb.shape[3] != head_dim:
+                raise ValueError(f"{name} {cb.shape} does not fit {n_kv_heads} KV heads of "
+                                 f"dim {head_dim}")
+        shape = (batch, n_kv_heads, self.key_codebook.shape[1], max_len)
+        return {"k_codes": jnp.zeros(shape, jnp.uint8), "v_codes": jnp.zeros(shape, jnp.uint8)}
+
+    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
+        b, t = q.shape[:2]
+        s = state["k_codes"].shape[-1]
+        q_pos = start[:, None] + jnp.arange(t)[None, :]
+        k_pre = apply_rope(k.astype(jnp.float32), -q_pos, self.rope_theta)
+        slots = write_positions(start, n_new, t, s)
+        state = {"k_codes": scatter_codes(state["k_codes"], slots,
+                                          encode(k_pre, self.key_codebook)),
+                 "v_codes": scatter_codes(state["v_codes"], slots,
+                                          encode(v, self.value_codebook))}
+        kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
+        keys = apply_rope(dequantize(state["k_codes"], self.key_codebook), kv_pos,
+                          self.rope_theta)
+        vals = dequantize(state["v_codes"], self.value_codebook)
+        out = attend(q, keys, vals, q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
+        return out, state
+
+    def describe(self):
+        hc, g, k, gs = self.key_codebook.shape
+        return f"cq[pre-RoPE keys, {g}x{gs}ch adjacent groups, {k} centroids]"

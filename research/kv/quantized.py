@@ -1,0 +1,104 @@
+"""Scalar-quantised KV caches and the helpers the low-bit codecs share.
+
+`Int8KVCache`: symmetric int8 per (token, KV head) with a float16 scale: 8.25 bits per
+channel at head_dim 64, a dense dequantise on read (the usual serving baseline).
+
+Helpers: `pack_bits` / `unpack_bits` (sub-byte integers packed along the last axis, low
+bits first), `quantize_uniform` / `dequantize_uniform` (asymmetric min/max quantisation
+along chosen axes, as KIVI uses).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, UInt8
+
+from research.kv.base import KVCache, scatter_tokens, write_positions
+from research.core.attention import attend
+from research.core.pytree import pytree_dataclass, static_field
+
+SCALE_DTYPE = jnp.float16
+
+
+def pack_bits(values: UInt8[Array, "... N"], bits: int) -> UInt8[Array, "... M"]:
+    """Pack integers in [0, 2**bits) along the last axis, 8 // bits per byte (low bits first)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    per_byte = 8 // bits
+    n = values.shape[-1]
+    if n % per_byte:
+        raise ValueError(f"last axis ({n}) must be a multiple of {per_byte} to pack {bits}-bit "
+                         "values")
+    v = values.astype(jnp.uint8).reshape(values.shape[:-1] + (n // per_byte, per_byte))
+    shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits)
+    return jnp.sum(v << shifts, axis=-1, dtype=jnp.uint32).astype(jnp.uint8)
+
+
+def unpack_bits(packed: UInt8[Array, "... M"], bits: int) -> UInt8[Array, "... N"]:
+    """Inverse of `pack_bits`."""
+    per_byte = 8 // bits
+    shifts = jnp.arange(per_byte, dtype=jnp.uint8) * bits
+    mask = jnp.uint8((1 << bits) - 1)
+    v = (packed[..., None] >> shifts) & mask
+    return v.reshape(packed.shape[:-1] + (packed.shape[-1] * per_byte,))
+
+
+def quantize_uniform(x: Float[Array, "..."], bits: int, axes: tuple[int, ...]):
+    """Asymmetric uniform quantisation with min/max taken over `axes`.
+
+    Returns (codes uint8 in [0, 2**bits), scale, zero) with x ~= codes * scale + zero;
+    scale and zero keep `axes` as size-1 dims and are stored in float16.
+    """
+    levels = (1 << bits) - 1
+    x = x.astype(jnp.float32)
+    lo = jnp.min(x, axis=axes, keepdims=True)
+    hi = jnp.max(x, axis=axes, keepdims=True)
+    scale = (hi - lo).astype(SCALE_DTYPE).astype(jnp.float32) / levels
+    zero = lo.astype(SCALE_DTYPE).astype(jnp.float32)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    codes = jnp.clip(jnp.round((x - zero) / safe), 0, levels).astype(jnp.uint8)
+    return codes, scale.astype(SCALE_DTYPE), zero.astype(SCALE_DTYPE)
+
+
+def dequantize_uniform(codes, scale, zero) -> Array:
+    return codes.astype(jnp.float32) * scale.astype(jnp.float32) + zero.astype(jnp.float32)
+
+
+def quantize_int8(x: Float[Array, "B T H D"]):
+    """Symmetric int8 per (token, head): x ~= q * scale, scale = max|x| / 127 (float16)."""
+    x = x.astype(jnp.float32)
+    scale = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0).astype(SCALE_DTYPE)
+    s = scale.astype(jnp.float32)
+    q = jnp.round(x / jnp.where(s > 0, s, 1.0))
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+@pytree_dataclass
+class Int8KVCache(KVCache):
+    """K and V as int8 per (token, KV head) with a float16 scale each; dense dequantise on read."""
+
+    label: str = static_field(default="int8")
+
+    def init(self, batch, max_len, n_kv_heads, head_dim):
+        codes = (batch, max_len, n_kv_heads, head_dim)
+        scales = (batch, max_len, n_kv_heads, 1)
+        return {"k": jnp.zeros(codes, jnp.int8), "k_scale": jnp.zeros(scales, SCALE_DTYPE),
+                "v": jnp.zeros(codes, jnp.int8), "v_scale": jnp.zeros(scales, SCALE_DTYPE)}
+
+    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
+        max_len = state["k"].shape[1]
+        slots = write_positions(start, n_new, q.shape[1], max_len)
+        kq, ks = quantize_int8(k)
+        vq, vs = quantize_int8(v)
+        state = {"k": scatter_tokens(state["k"], slots, kq),
+                 "k_scale": scatter_tokens(state["k_scale"], slots, ks),
+                 "v": scatter_tokens(state["v"], slots, vq),
+                 "v_scale": scatter_tokens(state["v_scale"], slots, vs)}
+        keys = state["k"].astype(jnp.float32) * state["k_scale"].astype(jnp.float32)
+        vals = state["v"].astype(jnp.float32) * state["v_scale"].astype(jnp.float32)
+        q_pos = start[:, None] + jnp.arange(q.shape[1])[None, :]
+        kv_pos = jnp.broadcast_to(jnp.arange(max_len)[None, :], (q.shape[0], max_len))
+        kv_valid = kv_pos < (start + n_new)[:, None]
+        return attend(q, keys, vals, q_pos, kv_pos, kv_valid, window), state
+
+    def describe(self):
+        return "int8[per-token]"

@@ -1,0 +1,222 @@
+"""Vector-quantised KV cache: one uint8 code per (token, KV head, channel group).
+
+Channels of each head are permuted (`key_perm`/`value_perm`, data: free at run time, an
+index gather of q and of the output), cut into G contiguous groups of g channels, and each
+group is replaced by the index of its nearest centroid (K <= 256 centroids per group, so
+a code is one byte: 1 bit per channel at g=8, K=256). Codebooks are array leaves of the
+cache object, so calibrated codebooks travel through `jit` as data.
+
+Attention reads the codes directly (kernels_pallas/vq_attention): key scores through
+per-query lookup tables, values through per-code bins. The chunk being written is encoded
+first and then read back from codes like every older token, so prefill (and perplexity)
+sees exactly what decode will see.
+
+Keys are quantised after RoPE: a post-RoPE key is what every query dots with, so one
+lookup table per query serves every position. The codec knows nothing about where its
+channel scales came from; research/tasq folds them into the projection weights.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, UInt8
+
+from kernels_pallas.vq_attention.api import validate_codes_and_codebooks, vq_decode_attention
+from kernels_pallas.vq_attention.reference import vq_attention_blockwise, vq_attention_reference
+from research.kv.base import KVCache, write_positions
+from research.core.attention import attention_mask
+from research.core.pytree import pytree_dataclass, static_field
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def nearest(d: Float[Array, "K N"]) -> tuple[Array, Array]:
+    """(argmin over axis 0, min) of non-negative distances [K <= 256, N], in one integer min.
+
+    XLA:CPU's variadic argmin reduce is ~10x slower than a min, so the low 8 bits of each
+    f32 distance are replaced by the centroid index: the winner is within a relative 2^-15
+    of the true nearest (only near-ties can differ from an exact argmin). Distances laid
+    out [K, N] reduce ~3x faster than [N, K] there.
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.maximum(d, 0.0), jnp.int32)
+    keyed = (bits & ~0xFF) | jnp.arange(d.shape[0], dtype=jnp.int32)[:, None]
+    best = jnp.min(keyed, axis=0)
+    return best & 0xFF, jax.lax.bitcast_convert_type(best & ~0xFF, jnp.float32)
+
+
+def encode(x: Float[Array, "B T H D"], codebook: Float[Array, "Hc G K g"]
+           ) -> UInt8[Array, "B T H G"]:
+    """Nearest centroid (L2) of every channel group.
+
+    Distances are laid out [K, N] and reduced with `nearest` (one integer min): the chosen
+    centroid is within a relative 2^-15 of the true nearest distance.
+    """
+    b, t, h, d = x.shape
+    hc, g, _, gs = codebook.shape
+    xg = x.astype(jnp.float32).reshape(b * t, h, g, gs)
+    cb = codebook.astype(jnp.float32)
+    codes = []
+    for hi in range(h):
+        per_group = []
+        for gi in range(g):
+            c = cb[hi if hc > 1 else 0, gi]  # [K, gs]
+            xs = xg[:, hi, gi]  # [N, gs]
+            dist = (jnp.sum(c * c, -1)[:, None] - 2 * c @ xs.T
+                    + jnp.sum(xs * xs, -1)[None, :])
+            per_group.append(nearest(dist)[0])
+        codes.append(jnp.stack(per_group, axis=-1))
+    return jnp.stack(codes, axis=1).reshape(b, t, h, g).astype(jnp.uint8)
+
+
+def permute_channels(x: Float[Array, "B T H D"], perm: Int[Array, "Hp D"]) -> Array:
+    """out[..., h, c] = x[..., h, perm[h', c]] with h' = h // (H / Hp) (query heads of a
+    KV group share its permutation)."""
+    h, hp = x.shape[2], perm.shape[0]
+    idx = jnp.repeat(perm, h // hp, axis=0)[None, None]
+    return jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape), axis=-1)
+
+
+def inverse_permutation(perm: Int[Array, "H D"]) -> Int[Array, "H D"]:
+    return jnp.argsort(perm, axis=-1).astype(jnp.int32)
+
+
+def scatter_codes(buf: UInt8[Array, "B H G S"], slots: Int[Array, "B T"],
+                  codes: UInt8[Array, "B T H G"]) -> Array:
+    """buf[b, :, :, slots[b, t]] = codes[b, t]; out-of-range slots (padding) are dropped."""
+    b_idx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], slots.shape)
+    return buf.at[b_idx, :, :, slots].set(codes, mode="drop")
+
+
+def _raise_if_nonfinite(bad, name: str, where: str) -> None:
+    if bad:
+        raise ValueError(f"{name} contains NaN or inf ({where}); a VQ code cannot represent it")
+
+
+def check_kv_finite(k, v, where: str, in_jit_check: bool) -> Array:
+    """Per-row flag of non-finite K/V. Concrete inputs raise now; under jit a callback raises
+    when `in_jit_check` (costs a host round trip per call, like jax_debug_nans)."""
+    bad_k = ~jnp.all(jnp.isfinite(k), axis=(1, 2, 3))
+    bad_v = ~jnp.all(jnp.isfinite(v), axis=(1, 2, 3))
+    for name, bad in (("k", bad_k), ("v", bad_v)):
+        if not isinstance(bad, jax.core.Tracer):
+            _raise_if_nonfinite(bool(jnp.any(bad)), name, where)
+        elif in_jit_check:
+            jax.debug.callback(_raise_if_nonfinite, jnp.any(bad), name, where)
+    return bad_k | bad_v
+
+
+@pytree_dataclass
+class VQKVCache(KVCache):
+    """Keys and values as uint8 VQ codes [B, Hkv, G, S]; see the module docstring.
+
+    key_codebook / value_codebook: [Hc, G, K, g] (Hc = 1: shared by all KV heads).
+    key_perm / value_perm: [Hkv, D] int32; codec channel c of head h holds channel perm[h, c].
+    implementation: "xla" (reference) or "pallas" (kernel for single-token decode steps).
+    check_finite: raise on NaN/inf K/V inside jit too (a host callback per call). Without
+      it, rows whose new K/V are not finite get NaN outputs, never a silently wrong code.
+    """
+
+    key_codebook: Array
+    value_codebook: Array
+    key_perm: Array
+    value_perm: Array
+    implementation: str = static_field(default="xla")
+    interpret: bool = static_field(default=False)
+    check_finite: bool = static_field(default=False)
+    label: str = static_field(default="vq")
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                             f"{self.implementation!r}")
+
+    @classmethod
+    def create(cls, key_codebook, value_codebook, key_perm=None, value_perm=None,
+               **static) -> "VQKVCache":
+        """Validated construction from concrete arrays (identity permutations by default)."""
+        key_codebook = jnp.asarray(key_codebook)
+        value_codebook = jnp.asarray(value_codebook)
+        for name, cb in (("key_codebook", key_codebook), ("value_codebook", value_codebook)):
+            if cb.ndim != 4 or cb.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+                raise TypeError(f"{name} must be a float32/bfloat16/float16 [Hc, G, K, g] "
+                                f"array, got {cb.shape=} {cb.dtype=}")
+            if not bool(jnp.all(jnp.isfinite(cb))):
+                raise ValueError(f"{name} contains NaN or inf")
+        if key_codebook.shape[1:] != value_codebook.shape[1:]:
+            raise ValueError(f"key and value codebooks must have equal [G, K, g], got "
+                             f"{key_codebook.shape=} {value_codebook.shape=}")
+        hc, g, k, gs = key_codebook.shape
+        if k > 256:
+            raise ValueError(f"codebooks have {k} centroids; a uint8 code addresses <= 256")
+        d = g * gs
+        perms = []
+        for name, p in (("key_perm", key_perm), ("value_perm", value_perm)):
+            p = np.tile(np.arange(d), (hc, 1)) if p is None else np.asarray(p)
+            if p.ndim != 2 or p.shape[1] != d or not np.issubdtype(p.dtype, np.integer):
+                raise ValueError(f"{name} must be an integer [Hkv, D={d}] array, got "
+                                 f"{p.shape} {p.dtype}")
+            if not (np.sort(p, axis=1) == np.arange(d)).all():
+                raise ValueError(f"{name} rows must be permutations of range({d})")
+            perms.append(jnp.asarray(p, jnp.int32))
+        return cls(key_codebook, value_codebook, perms[0], perms[1], **static)
+
+    @property
+    def n_groups(self) -> int:
+        return self.key_codebook.shape[1]
+
+    def _check_layout(self, n_kv_heads: int, head_dim: int) -> None:
+        validate_codes_and_codebooks(
+            jax.ShapeDtypeStruct((1, n_kv_heads, self.n_groups, 1), jnp.uint8),
+            jax.ShapeDtypeStruct((1, n_kv_heads, self.n_groups, 1), jnp.uint8),
+            self.key_codebook, self.value_codebook, n_kv_heads, head_dim)
+        for name, p in (("key_perm", self.key_perm), ("value_perm", self.value_perm)):
+            if p.shape[1] != head_dim or p.shape[0] not in (1, n_kv_heads):
+                raise ValueError(f"{name} must be [1 or {n_kv_heads}, {head_dim}], got "
+                                 f"{p.shape}")
+
+    def init(self, batch, max_len, n_kv_heads, head_dim):
+        self._check_layout(n_kv_heads, head_dim)
+        shape = (batch, n_kv_heads, self.n_groups, max_len)
+        return {"k_codes": jnp.zeros(shape, jnp.uint8), "v_codes": jnp.zeros(shape, jnp.uint8)}
+
+    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
+        b, t, hkv, d = k.shape
+        self._check_layout(hkv, d)
+        bad_rows = check_kv_finite(k, v, self.describe(), self.check_finite)
+        s = state["k_codes"].shape[-1]
+        slots = write_positions(start, n_new, t, s)
+        state = {
+            "k_codes": scatter_codes(state["k_codes"], slots,
+                                     encode(permute_channels(k, self.key_perm),
+                                            self.key_codebook)),
+            "v_codes": scatter_codes(state["v_codes"], slots,
+                                     encode(permute_channels(v, self.value_perm),
+                                            self.value_codebook))}
+        qp = permute_channels(q, self.key_perm)
+        if self.implementation == "pallas" and t == 1 and window is None:
+            out = vq_decode_attention(qp[:, 0], state["k_codes"], state["v_codes"],
+                                      self.key_codebook, self.value_codebook, start + n_new,
+                                      implementation="pallas", interpret=self.interpret)
+            out = out[:, None].astype(jnp.float32)
+        else:
+            q_pos = start[:, None] + jnp.arange(t)[None, :]
+            kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
+            mask = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
+            attn = (vq_attention_reference if self.use_lookup_tables(t, q.shape[2] // hkv, s)
+                    else vq_attention_blockwise)
+            out = attn(qp, state["k_codes"], state["v_codes"], self.key_codebook,
+                       self.value_codebook, mask)
+        out = permute_channels(out, inverse_permutation(self.value_perm))
+        out = jnp.where(bad_rows[:, None, None, None], jnp.nan, out)
+        return out.astype(q.dtype), state
+
+    def use_lookup_tables(self, t: int, q_per_kv: int, context: int) -> bool:
+        """Lookup tables (T * q_per_kv rows of K entries per group) when they are smaller
+        than the context they summarise; long prefill chunks rebuild K/V per block."""
+        return t * q_per_kv * self.key_codebook.shape[2] <= context
+
+    def describe(self):
+        hc, g, k, gs = self.key_codebook.shape
+        bits = np.log2(k) / gs
+        return f"{self.label}[{bits:g}b/ch, {g}x{gs}ch groups, {k} centroids, Hc={hc}]"

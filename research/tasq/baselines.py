@@ -1,0 +1,106 @@
+"""The codecs TaSQ is compared against, as Transforms on the same model and framework.
+
+    int8_kv()          int8 per (token, head), float16 scales             (no calibration)
+    kivi_kv(bits=2)    KIVI-style: keys per channel, values per token,
+                       full-precision recent window                       (no calibration)
+    sign_kv()          QJL-style sign-bit keys + sign-bit values          (no calibration)
+    cq_style(bits=1)   CQ-style coupled adjacent channels, pre-RoPE keys,
+                       per-head k-means codebooks                         (calibrated)
+    plain_vq(bits=1)   research.tasq.transform.plain_vq                   (calibrated)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from research.kv.cq import CQKVCache
+from research.kv.kivi import KIVIKVCache
+from research.kv.quantized import Int8KVCache
+from research.kv.sign import SignKVCache, gaussian_projection
+from research.model.llama import Model
+from research.core.pytree import pytree_dataclass, static_field
+from research.tasq.config import CODE_BITS
+from research.tasq.fingerprint import check_fingerprint, model_fingerprint
+from research.tasq.kmeans import kmeans
+from research.tasq.stats import collect
+from research.transforms import CalibrationData, Transform
+
+
+def _replace_caches(model: Model, make, tag: str) -> Model:
+    caches = tuple(make(i) for i in range(model.config.n_layers))
+    return model.replace(caches=caches, tags=model.tags + (tag,))
+
+
+def int8_kv() -> Transform:
+    return Transform(lambda model, data: (),
+                     lambda model, state: _replace_caches(model, lambda i: Int8KVCache(),
+                                                          "kv-int8"), "int8")
+
+
+def kivi_kv(bits: int = 2, key_group: int = 32, value_group: int = 32,
+            residual: int = 128) -> Transform:
+    KIVIKVCache(bits=bits, key_group=key_group, value_group=value_group, residual=residual)
+
+    def apply(model, state):
+        return _replace_caches(model, lambda i: KIVIKVCache(
+            bits=bits, key_group=key_group, value_group=value_group, residual=residual),
+            f"kivi{bits}")
+
+    return Transform(lambda model, data: (), apply, f"kivi({bits}b)")
+
+
+def sign_kv(seed: int = 0) -> Transform:
+    def apply(model, state):
+        c = model.config
+        keys = jax.random.split(jax.random.key(seed), c.n_layers)
+        return _replace_caches(model, lambda i: SignKVCache(
+            gaussian_projection(keys[i], c.n_kv_heads, c.head_dim)), "sign")
+
+    return Transform(lambda model, data: (), apply, "sign(1b)")
+
+
+@pytree_dataclass
+class CQState:
+    key_codebook: Array    # [L, Hkv, G, K, g] over pre-RoPE keys
+    value_codebook: Array  # [L, Hkv, G, K, g]
+    fingerprint: str = static_field()
+
+
+def cq_style(bits: int = 1, kmeans_iters: int = 12, max_points: int = 4096,
+             seed: int = 0) -> Transform:
+    """Coupled quantisation of adjacent channels (8 // bits per code), pre-RoPE keys,
+    per-(layer, head, group) codebooks from plain k-means."""
+    if bits not in (1, 2):
+        raise ValueError(f"bits must be 1 or 2, got {bits}")
+    gs = CODE_BITS // bits
+
+    def calibrate(model: Model, data: CalibrationData) -> CQState:
+        c = model.config
+        if c.head_dim % gs:
+            raise ValueError(f"group size {gs} must divide head_dim={c.head_dim}")
+        rng = np.random.default_rng(seed)
+        stats = collect(model, data)
+        probs = []
+        for st in stats:
+            for x in (st.k_pre, st.v):
+                n = x.shape[0]
+                pts = x.reshape(n, c.n_kv_heads, c.head_dim // gs, gs).transpose(1, 2, 0, 3)
+                if n > max_points:
+                    pts = pts[:, :, np.sort(rng.choice(n, max_points, replace=False))]
+                probs.append(pts.reshape(-1, pts.shape[2], gs))
+        cents = kmeans(np.concatenate(probs), 2 ** CODE_BITS, iters=kmeans_iters,
+                       key=jax.random.key(seed))
+        cents = np.asarray(cents).reshape(c.n_layers, 2, c.n_kv_heads, c.head_dim // gs,
+                                          2 ** CODE_BITS, gs)
+        return CQState(jnp.asarray(cents[:, 0]), jnp.asarray(cents[:, 1]),
+                       model_fingerprint(model))
+
+    def apply(model: Model, state: CQState) -> Model:
+        check_fingerprint(model, state.fingerprint, "this CQ state")
+        theta = model.config.rope_theta
+        return _replace_caches(model, lambda i: CQKVCache(
+            state.key_codebook[i], state.value_codebook[i], rope_theta=theta), "cq")
+
+    return Transform(calibrate, apply, f"cq({bits}b)")

@@ -1,0 +1,76 @@
+"""TaSQ hyper-parameters (a small frozen dataclass, kept out of global config)."""
+from __future__ import annotations
+
+import dataclasses
+
+CODE_BITS = 8  # one uint8 code per channel group
+
+
+@dataclasses.dataclass(frozen=True)
+class TaSQConfig:
+    """bits: bits per channel (1 or 2); group_size: channels per code (default 8 // bits,
+    so every code is one byte: 1 bit -> 8 channels and 256 centroids, 2 bits -> 4 channels).
+
+    The three ingredients (each switchable for the ablation):
+      query_weighting: keys scaled per RoPE pair by sqrt(E[q_c^2]) of the queries that read
+        them (and values per channel by their W_o row energy), folded exactly into
+        W_q/W_k (W_v/W_o); k-means in the folded space then minimises score distortion;
+      head_normalization: per-head scales (also folded) that bring every KV head to a
+        common RMS, so one codebook per layer serves all heads;
+      channel_grouping: covariance-aware channel permutation inside the codec.
+    share_codebooks: one codebook per (layer, group) for all KV heads (the paper's cross-
+      head sharing, what head_normalization is for) instead of one per (layer, KV head,
+      group). Off by default: on SmolLM2's calibration data a shared codebook raised the
+      attention-output error by ~15% relative even with normalisation (the 3 KV heads
+      differ too much), and per-head f32 codebooks cost 11.3 MiB for all of SmolLM2 (fixed,
+      not per token: 0.07% of a 16 GiB budget). With
+      per-head codebooks head_normalization is a no-op (k-means is scale-equivariant).
+    """
+
+    bits: int = 1
+    group_size: int | None = None
+    query_weighting: bool = True
+    head_normalization: bool = True
+    channel_grouping: bool = True
+    share_codebooks: bool = False
+    kmeans_iters: int = 12
+    max_points: int = 8192  # k-means points per problem (random subset beyond this)
+    min_scale: float = 0.05  # per-channel scales are clipped to [min_scale, 1/min_scale] x mean
+    seed: int = 0
+    implementation: str = "xla"
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (1, 2):
+            raise ValueError(f"bits must be 1 or 2, got {self.bits}")
+        if self.group_size is not None and self.group_size * self.bits != CODE_BITS:
+            raise ValueError(f"group_size * bits must be {CODE_BITS} (one uint8 code per "
+                             f"group), got group_size={self.group_size}, bits={self.bits}")
+        if self.kmeans_iters < 1 or self.max_points < 256:
+            raise ValueError(f"kmeans_iters must be >= 1 and max_points >= 256, got "
+                             f"{self.kmeans_iters=}, {self.max_points=}")
+        if not 0 < self.min_scale <= 1:
+            raise ValueError(f"min_scale must be in (0, 1], got {self.min_scale}")
+        if self.implementation not in ("xla", "pallas"):
+            raise ValueError(f"implementation must be 'xla' or 'pallas', got "
+                             f"{self.implementation!r}")
+
+    @property
+    def channels_per_code(self) -> int:
+        return self.group_size or CODE_BITS // self.bits
+
+    @property
+    def n_centroids(self) -> int:
+        return 2 ** (self.bits * self.channels_per_code)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        g = self.channels_per_code
+        if head_dim % g:
+            raise ValueError(f"group_size={g} (bits={self.bits}) must divide head_dim="
+                             f"{head_dim}")
+        if self.channel_grouping and g % 2:
+            raise ValueError(f"channel_grouping keeps RoPE pairs together, so group_size "
+                             f"must be even, got {g}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

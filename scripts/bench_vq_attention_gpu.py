@@ -1,0 +1,108 @@
+r"""Benchmark the Pallas VQ decode-attention kernel against the bf16 attention path on a GPU.
+
+    python scripts/bench_vq_attention_gpu.py [--contexts 4096,16384,32768] [--batches 1,8,32]
+
+Needs a CUDA device (jaxlib with CUDA). For each (batch, context), in one process, after
+warm-up, medians of `--repeats` runs:
+  bf16:   the core masked GQA attention over dense bf16 K/V (XLA), SmolLM2 layer shapes;
+  pallas: kernels_pallas.vq_attention with the Triton backend over 1-bit uint8 codes;
+  xla-vq: the plain-JAX reference (LUT gathers + segment sums) on the same codes.
+It first checks the kernel against the reference on the device. Prints a markdown table and
+writes --out (JSON) if given.
+
+Expectation, stated before measuring: the kernel reads ~1/16 of the bytes but replaces the
+K/V dot products with one-hot matmuls against 256-entry lookup tables (~K/g = 32x the FLOPs
+of dense attention), so on an H100/H200 it is likely compute-bound and may NOT beat bf16 at
+batch 1; the byte saving matters at large batch x context, where dense attention is
+bandwidth-bound. This script has not been run in the session that wrote it (no GPU lent).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.vq_attention import BlockSizes, vq_decode_attention
+from research.core.attention import attend
+
+HQ, HKV, D, G, K = 9, 3, 64, 8, 256  # SmolLM2-135M layer, 1 bit per channel
+
+
+def _median_ms(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _dense(q, k, v, lengths):
+    b, s = k.shape[:2]
+    kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+    return attend(q[:, None], k, v, (lengths - 1)[:, None], kv_pos,
+                  kv_pos < lengths[:, None])[:, 0]
+
+
+def bench(batch: int, context: int, block_sizes: BlockSizes, warmup: int, repeats: int,
+          seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(batch, HQ, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(batch, context, HKV, D)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(batch, context, HKV, D)), jnp.bfloat16)
+    kc = jnp.asarray(rng.integers(0, K, (batch, HKV, G, context)), jnp.uint8)
+    vc = jnp.asarray(rng.integers(0, K, (batch, HKV, G, context)), jnp.uint8)
+    kcb = jnp.asarray(rng.normal(size=(HKV, G, K, D // G)), jnp.float32)
+    vcb = jnp.asarray(rng.normal(size=(HKV, G, K, D // G)), jnp.float32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    dense = jax.jit(_dense)
+    pallas = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
+        q, kc, vc, kcb, vcb, n, implementation="pallas", backend="triton",
+        block_sizes=block_sizes))
+    xla = jax.jit(lambda q, kc, vc, n: vq_decode_attention(q, kc, vc, kcb, vcb, n))
+    err = float(jnp.max(jnp.abs(pallas(q, kc, vc, lengths) - xla(q, kc, vc, lengths))))
+    row = {"batch": batch, "context": context, "max_abs_err": err,
+           "bf16_ms": _median_ms(lambda: dense(q, k, v, lengths), warmup, repeats),
+           "pallas_ms": _median_ms(lambda: pallas(q, kc, vc, lengths), warmup, repeats),
+           "xla_vq_ms": _median_ms(lambda: xla(q, kc, vc, lengths), warmup, repeats),
+           "bf16_bytes": int(k.nbytes + v.nbytes), "code_bytes": int(kc.nbytes + vc.nbytes)}
+    row["pallas_speedup"] = row["bf16_ms"] / row["pallas_ms"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--contexts", default="4096,16384,32768")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--block-kv", type=int, default=64,
+                    help="one-hot tiles are [256, block_kv] f32: keep them small on GPU")
+    ap.add_argument("--blocks-per-split", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"needs a CUDA GPU; jax backend is {jax.default_backend()!r}")
+    bs = BlockSizes(block_kv=args.block_kv, blocks_per_split=args.blocks_per_split)
+    rows = [bench(b, s, bs, args.warmup, args.repeats)
+            for b in map(int, args.batches.split(",")) for s in map(int, args.contexts.split(","))]
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
+                                for c in cols) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows},
+                      f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Baseline codecs: bit packing, int8, KIVI-style, sign-bit (QJL-like) and CQ-style caches."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research.kv.base import state_nbytes
+from research.kv.cq import CQKVCache
+from research.kv.dense import DenseKVCache
+from research.kv.kivi import KIVIKVCache
+from research.kv.quantized import (Int8KVCache, dequantize_uniform, pack_bits,
+                                   quantize_uniform, unpack_bits)
+from research.kv.sign import SignKVCache, gaussian_projection
+from research.core.rope import apply_rope
+
+B, HQ, HKV, D = 2, 4, 2, 16
+
+
+def _qkv(seed, t):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(B, t, h, D)), jnp.float32)
+                 for h in (HQ, HKV, HKV))
+
+
+def _run(cache, state, q, k, v, start, n_new, window=None):
+    return jax.jit(lambda c, s, q, k, v, a, n: c.update_and_attend(
+        s, q, k, v, start=a, n_new=n, window=window))(cache, state, q, k, v, start, n_new)
+
+
+def _dense(q, k, v, start, n_new, max_len):
+    d = DenseKVCache()
+    return d.update_and_attend(d.init(B, max_len, HKV, D), q, k, v, start=start, n_new=n_new,
+                               window=None)[0]
+
+
+def _rel(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_unpack_roundtrip(bits):
+    x = jnp.asarray(np.random.default_rng(bits).integers(0, 2 ** bits, (3, 5, 16)), jnp.uint8)
+    packed = pack_bits(x, bits)
+    assert packed.shape == (3, 5, 16 * bits // 8) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(unpack_bits(packed, bits), x)
+    with pytest.raises(ValueError, match="bits"):
+        pack_bits(x, 3)
+
+
+def test_uniform_quantization_error_bound():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32, 8)), jnp.float32)
+    codes, scale, zero = quantize_uniform(x, 2, axes=(1,))
+    err = jnp.abs(dequantize_uniform(codes, scale, zero) - x)
+    assert bool(jnp.all(err <= scale.astype(jnp.float32) / 2 + 1e-2))
+
+
+def test_int8_close_to_dense_and_bytes():
+    q, k, v = _qkv(0, 6)
+    start, n_new = jnp.zeros(B, int), jnp.array([6, 4])
+    out, st = _run(Int8KVCache(), Int8KVCache().init(B, 8, HKV, D), q, k, v, start, n_new)
+    assert _rel(out, _dense(q, k, v, start, n_new, 8)) < 0.02
+    assert state_nbytes(st) == B * 8 * HKV * 2 * (D + 2)  # int8 codes + f16 scale, K and V
+
+
+def _chunked(cache, q, k, v, prefill, max_len):
+    """One prefill of `prefill` tokens, then single-token decode steps."""
+    t = q.shape[1]
+    st = cache.init(B, max_len, HKV, D)
+    outs = []
+    o, st = _run(cache, st, q[:, :prefill], k[:, :prefill], v[:, :prefill], jnp.zeros(B, int),
+                 jnp.full((B,), prefill))
+    outs.append(o)
+    for i in range(prefill, t):
+        o, st = _run(cache, st, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1],
+                     jnp.full((B,), i), jnp.ones(B, int))
+        outs.append(o)
+    return jnp.concatenate(outs, 1), st
+
+
+def test_kivi_decode_equals_prefill_and_is_accurate_at_4_bits():
+    cache = KIVIKVCache(bits=4, key_group=4, value_group=8, residual=4)
+    t = 14
+    q, k, v = _qkv(1, t)
+    whole, st_whole = _run(cache, cache.init(B, 16, HKV, D), q, k, v, jnp.zeros(B, int),
+                           jnp.full((B,), t))
+    chunked, st = _chunked(cache, q, k, v, 5, 16)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(st["k_codes"][:, :12], st_whole["k_codes"][:, :12])
+    assert _rel(whole, _dense(q, k, v, jnp.zeros(B, int), jnp.full((B,), t), 16)) < 0.1
+
+
+def test_kivi_residual_window_is_full_precision():
+    """With residual >= context every read is from the (bf16) full-precision ring."""
+    cache = KIVIKVCache(bits=2, key_group=4, value_group=8, residual=16)
+    q, k, v = _qkv(2, 9)
+    start, n_new = jnp.zeros(B, int), jnp.array([9, 7])
+    out, _ = _run(cache, cache.init(B, 12, HKV, D), q, k, v, start, n_new)
+    bf = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(out, _dense(q, bf(k), bf(v), start, n_new, 12), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_kivi_bad_config():
+    with pytest.raises(ValueError, match="residual"):
+        KIVIKVCache(key_group=32, residual=16)
+    with pytest.raises(ValueError, match="bits"):
+        KIVIKVCache(bits=3)
+    with pytest.raises(ValueError, match="value_group"):
+        KIVIKVCache(value_group=5).init(1, 8, 1, 16)
+
+
+def test_sign_score_estimator_is_unbiased():
+    """Averaged over projections, the QJL score estimate converges to q.k."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(D,)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(D,)), jnp.float32)
+    proj = jax.random.normal(jax.random.key(0), (4000, D, D))
+    est = (np.sqrt(np.pi / 2) / D * jnp.linalg.norm(k)
+           * jnp.einsum("d,ndm,nm->n", q, proj, jnp.sign(jnp.einsum("d,ndm->nm", k, proj))))
+    assert abs(float(est.mean()) - float(q @ k)) < 4 * float(est.std()) / np.sqrt(4000)
+
+
+def test_sign_cache_bytes_and_finite_output():
+    cache = SignKVCache(gaussian_projection(jax.random.key(1), HKV, D))
+    q, k, v = _qkv(4, 5)
+    out, st = _run(cache, cache.init(B, 8, HKV, D), q, k, v, jnp.zeros(B, int),
+                   jnp.full((B,), 5))
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert state_nbytes(st) == B * 8 * HKV * 2 * (D // 8 + 2)  # 1 bit/ch + f16 per token
+    with pytest.raises(ValueError, match="projection"):
+        cache.init(B, 8, HKV + 1, D)
+
+
+def test_cq_unrotates_keys_and_matches_dense_on_decoded():
+    """CQ codes pre-RoPE keys: with a codebook that contains every key exactly, attention
+    equals dense attention on the original (post-RoPE) keys."""
+    t, theta = 5, 10000.0
+    q, k, v = _qkv(5, t)
+    pos = jnp.broadcast_to(jnp.arange(t)[None], (B, t))
+    k_pre = apply_rope(k, -pos, theta)  # keys as the model had them before RoPE
+    g = 2  # channels per code
+    # codebook per head and group = that head's pre-RoPE values (B * t = 10 entries)
+    kcb = k_pre.reshape(B * t, HKV, D // g, g).transpose(1, 2, 0, 3)
+    vcb = v.reshape(B * t, HKV, D // g, g).transpose(1, 2, 0, 3)
+    cache = CQKVCache(kcb, vcb, rope_theta=theta)
+    start, n_new = jnp.zeros(B, int), jnp.full((B,), t)
+    out, _ = _run(cache, cache.init(B, t, HKV, D), q, k, v, start, n_new)
+    np.testing.assert_allclose(out, _dense(q, k, v, start, n_new, t), rtol=1e-4, atol=1e-4)
