@@ -1,0 +1,174 @@
+"""Closed-form multi-output ridge regression with the penalty chosen on data.
+
+    delta = argmin_D ||X D - Y||^2 + lam ||D||^2 = (X^T X + lam I)^-1 X^T Y
+
+solved in float64 through one eigendecomposition of the Gram matrix G = X^T X, so a whole
+grid of lam costs one decomposition. lam is expressed relative to the data scale,
+lam = alpha * trace(G) / d (alpha times the mean eigenvalue), so one alpha grid fits every
+layer. Selection:
+
+* "holdout" (default): alpha minimising the squared error on held-out rows (whole probe
+  sequences, so neighbouring, correlated tokens never straddle the split), then a refit
+  on all rows with that alpha;
+* "gcv": generalised cross-validation, closed form from the eigenvalues;
+* "fixed": the given alpha.
+
+"Do no harm": the zero patch (alpha = inf) is always a candidate, so a layer whose patch
+does not beat zero on held-out rows (or on GCV) stays unpatched.
+
+lam = 0 on a singular Gram matrix gives the minimum-norm least-squares solution
+(eigenvalues below `rtol * max` are treated as zero), never inf/NaN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+SELECTIONS = ("holdout", "gcv", "fixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class RidgeConfig:
+    selection: str = "holdout"
+    alphas: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 10.0)
+    alpha: float = 1e-2  # used by selection="fixed"
+    allow_zero: bool = True  # the zero patch competes with every alpha
+
+    def __post_init__(self):
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if not self.alphas or any(not (a >= 0 and math.isfinite(a)) for a in self.alphas):
+            raise ValueError(f"alphas must be a non-empty tuple of finite values >= 0, "
+                             f"got {self.alphas}")
+        if not (self.alpha >= 0):
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+
+
+class RidgeFit(NamedTuple):
+    delta: np.ndarray  # [d_in, d_out] float64 (all zero when the zero patch won)
+    alpha: float  # chosen alpha (inf = zero patch)
+    lam: float  # absolute penalty used for `delta`
+    train_rel_err: tuple[float, float]  # ||Y - X D|| / ||Y|| before (D=0) / after, all rows
+    val_rel_err: tuple[float, float]  # same on held-out rows (nan when there are none)
+
+
+class GramEig(NamedTuple):
+    """Everything a ridge solve needs, from one pass over the rows."""
+
+    eigvals: np.ndarray  # [d] of X^T X, ascending, clipped at 0
+    eigvecs: np.ndarray  # [d, d]
+    proj: np.ndarray  # [d, d_out] = V^T X^T Y
+    y_sq: float  # ||Y||^2
+    n: int
+    scale: float  # mean eigenvalue trace(G)/d: lam = alpha * scale
+
+
+def _check(x, y, name="x") -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    if x.ndim != 2 or y.ndim != 2:
+        raise ValueError(f"{name} and its targets must be 2-D [rows, features], got "
+                         f"{x.shape=} {y.shape=}")
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"{name} has {x.shape[0]} rows but the targets have {y.shape[0]}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} has no rows: a ridge fit needs at least one probe token")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise FloatingPointError(f"{name} or its targets contain NaN/inf")
+    return x, y
+
+
+def gram_eig(x, y) -> GramEig:
+    x, y = _check(x, y)
+    gram = x.T @ x
+    eigvals, eigvecs = np.linalg.eigh(gram)
+    eigvals = np.clip(eigvals, 0.0, None)
+    scale = float(np.trace(gram)) / gram.shape[0]
+    return GramEig(eigvals, eigvecs, eigvecs.T @ (x.T @ y), float(np.sum(y * y)), x.shape[0],
+                   scale)
+
+
+def _inverse_eigs(e: GramEig, lam: float, rtol: float = 1e-10) -> np.ndarray:
+    if lam > 0:
+        return 1.0 / (e.eigvals + lam)
+    cutoff = rtol * max(float(e.eigvals[-1]), 0.0)
+    safe = np.where(e.eigvals > cutoff, e.eigvals, 1.0)
+    return np.where(e.eigvals > cutoff, 1.0 / safe, 0.0)  # pseudo-inverse on the null space
+
+
+def solve(e: GramEig, lam: float) -> np.ndarray:
+    if not lam >= 0:
+        raise ValueError(f"lam must be >= 0, got {lam}")
+    if math.isinf(lam) or e.scale == 0.0:
+        return np.zeros_like(e.proj)  # infinite penalty, or all-zero inputs: no patch
+    return e.eigvecs @ (_inverse_eigs(e, lam)[:, None] * e.proj)
+
+
+def ridge_solve(x, y, lam: float) -> np.ndarray:
+    """(X^T X + lam I)^-1 X^T Y in float64 (minimum-norm least squares when lam == 0)."""
+    return solve(gram_eig(x, y), lam)
+
+
+def residual_sq(e: GramEig, lam: float) -> float:
+    """||Y - X D(lam)||^2 on the rows `e` was built from, from the eigenvalues alone."""
+    if math.isinf(lam):
+        return e.y_sq
+    inv = _inverse_eigs(e, lam)
+    c = np.sum(e.proj ** 2, axis=1)
+    return max(e.y_sq - float(np.sum(c * (2 * inv - e.eigvals * inv ** 2))), 0.0)
+
+
+def gcv_score(e: GramEig, lam: float) -> float:
+    """Generalised cross-validation: (RSS / n) / (1 - df / n)^2, df = trace of the hat."""
+    if math.isinf(lam):
+        return e.y_sq / e.n
+    df = float(np.sum(e.eigvals * _inverse_eigs(e, lam)))
+    if df >= e.n:
+        return math.inf
+    return residual_sq(e, lam) / e.n / (1.0 - df / e.n) ** 2
+
+
+def _rel(err_sq: float, ref_sq: float) -> float:
+    return math.sqrt(err_sq / ref_sq) if ref_sq > 0 else 0.0
+
+
+def fit_ridge(x, y, holdout=None, config: RidgeConfig = RidgeConfig()) -> RidgeFit:
+    """Fit D with X D ~ Y; `holdout` (bool [rows]) marks rows used to choose alpha."""
+    x, y = _check(x, y)
+    holdout = np.zeros(x.shape[0], bool) if holdout is None else np.asarray(holdout, bool)
+    if holdout.shape != (x.shape[0],):
+        raise ValueError(f"holdout must be a bool mask of {x.shape[0]} rows, got "
+                         f"{holdout.shape}")
+    candidates = list(config.alphas) + ([math.inf] if config.allow_zero else [])
+    val_err = (math.nan, math.nan)
+    if config.selection == "fixed":
+        alpha = config.alpha
+    elif config.selection == "gcv":
+        e = gram_eig(x, y)
+        alpha = min(candidates, key=lambda a: gcv_score(e, math.inf if math.isinf(a)
+                                                         else a * e.scale))
+    else:
+        if holdout.all() or not holdout.any():
+            raise ValueError("selection='holdout' needs some (not all) rows held out; give "
+                             "at least two probe sequences, or use selection='gcv'")
+        e = gram_eig(x[~holdout], y[~holdout])
+        xv, yv = x[holdout], y[holdout]
+
+        def held_out_sq(a):
+            lam = math.inf if math.isinf(a) else a * e.scale
+            return float(np.sum((yv - xv @ solve(e, lam)) ** 2))
+
+        errs = {a: held_out_sq(a) for a in candidates}
+        alpha = min(candidates, key=errs.get)
+        y_val_sq = float(np.sum(yv * yv))
+        val_err = (_rel(y_val_sq, y_val_sq), _rel(errs[alpha], y_val_sq))
+    full = gram_eig(x, y)
+    lam = math.inf if math.isinf(alpha) else alpha * full.scale
+    delta = solve(full, lam)
+    if not np.all(np.isfinite(delta)):
+        raise FloatingPointError("ridge solution is not finite")
+    train = (_rel(full.y_sq, full.y_sq), _rel(residual_sq(full, lam), full.y_sq))
+    return RidgeFit(delta, float(alpha), float(lam), train, val_err)
