@@ -28,59 +28,51 @@ from scipy.optimize import nnls
 
 from research.kv.eviction import is_evicting
 from research.model.llama import Model
-from research.patchkv import layerwise, ridge
-from research.patchkv.probes import ProbeSet
-from research.patchkv.session import tile_states
+from research.patchkv import ridge
+from research.patchkv.probes import ProbedContext
 
 METHODS = ("grkv", "am")
 AM_RIDGE = ridge.RidgeConfig(selection="fixed", alpha=1e-6, allow_zero=False)
 BIAS_FLOOR = 1e-8  # w below this is a dropped slot: beta = log(1e-8) ~ -18
 
 
-def reference_captures(reference: Model, ref_states: tuple, probes: ProbeSet,
-                       context_lengths) -> list[dict]:
-    """Per layer numpy {"q", "k", "v", "attn"} of the probe rows under the reference."""
-    start = jnp.asarray(np.asarray(context_lengths)[probes.context], jnp.int32)
-    n_new = jnp.asarray(probes.lengths, jnp.int32)
-    x = layerwise.embed(reference, probes.tokens)
-    out = []
-    for layer in range(reference.config.n_layers):
-        state = tile_states(ref_states[layer:layer + 1], probes.context)[0]
-        x, cap = layerwise.run_layer(layerwise.layer_view(reference, layer), x, start, n_new,
-                                     state)
-        out.append({k: np.asarray(cap[k], np.float64) for k in ("q", "k", "v", "attn")})
-    return out
-
-
-def refit_values(model: Model, cmp_states: tuple, ref_states: tuple, captures: list[dict],
-                 probes: ProbeSet, context_lengths, *, method: str,
+def refit_values(model: Model, states: tuple, probed: ProbedContext, *, method: str,
                  ridge_config: ridge.RidgeConfig = ridge.RidgeConfig()) -> tuple:
-    """New evicting cache states with refit values (and biases for "am")."""
+    """New evicting cache `states` (the contexts of `probed`, as `model` prefilled them)
+    with refit values (and biases for "am")."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    c = model.config
-    lengths = np.asarray(context_lengths)
+    c, probes = model.config, probed.probes
     new_states = []
-    for layer, state in enumerate(cmp_states):
+    for layer, state in enumerate(states):
         if not is_evicting(state):
             raise TypeError(f"layer {layer}: value refits need an evicting cache state "
                             "(chain evict(...) first)")
+        cap = {k: np.asarray(a, np.float64)
+               for k, a in probed.reference.captures[layer].items()}
         v = np.array(state["v"], np.float64)
         bias = np.array(state["bias"], np.float64)
-        full_k = np.asarray(ref_states[layer]["k"], np.float64)
-        for b in range(v.shape[0]):
-            rows = np.flatnonzero(probes.context == b)
-            for h in range(c.n_kv_heads):
-                slots = np.flatnonzero(np.asarray(state["pos"][b, :, h]) >= 0)
-                problem = _head_problem(captures[layer], rows, probes, h, c.q_per_kv,
-                                        np.asarray(state["k"][b, slots, h], np.float64),
-                                        v[b, slots, h], full_k[b, :lengths[b], h])
-                new_v, new_bias = _solve_head(problem, method, ridge_config)
-                v[b, slots, h] = new_v
-                bias[b, slots, h] = new_bias
+        full_k = np.asarray(probed.ref_states[layer]["k"], np.float64)
+        with ridge.single_blas_thread():
+            _refit_layer(cap, state, v, bias, full_k, probed, c, method, ridge_config)
         new_states.append({**state, "v": jnp.asarray(v, state["v"].dtype),
                            "bias": jnp.asarray(bias, jnp.float32)})
     return tuple(new_states)
+
+
+def _refit_layer(cap, state, v, bias, full_k, probed, c, method, ridge_config):
+    """Refit one layer's kept values (and biases) in place, per context and KV head."""
+    probes = probed.probes
+    for b in range(v.shape[0]):
+        rows = np.flatnonzero(probes.context == b)
+        for h in range(c.n_kv_heads):
+            slots = np.flatnonzero(np.asarray(state["pos"][b, :, h]) >= 0)
+            problem = _head_problem(cap, rows, probes, h, c.q_per_kv,
+                                    np.asarray(state["k"][b, slots, h], np.float64),
+                                    v[b, slots, h], full_k[b, :probed.lengths[b], h])
+            new_v, new_bias = _solve_head(problem, method, ridge_config)
+            v[b, slots, h] = new_v
+            bias[b, slots, h] = new_bias
 
 
 def _head_problem(cap, rows, probes, h, g, k_kept, v_kept, k_full) -> dict:

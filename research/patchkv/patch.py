@@ -28,7 +28,6 @@ The patch is specific to the context it was fit on.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import NamedTuple, Sequence
 
@@ -36,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from research.kv.base import state_nbytes
-from research.model.llama import Model, default_caches
+from research.model.llama import Model
 from research.patchkv import layerwise, ridge
-from research.patchkv.probes import ProbeConfig, ProbeSet, build_probes
+from research.patchkv.probes import (ProbeConfig, ProbedContext, probe_context,  # noqa: F401
+                                     reference_model)
 from research.patchkv.session import prefill_batch, tile_states
-from research.transforms import CalibrationData, Transform
+from research.transforms import Transform
 
 TARGETS = ("attention", "residual")
 
@@ -59,14 +58,9 @@ class PatchState(NamedTuple):
 
     deltas: tuple
     fits: tuple  # LayerFit per layer (host-side diagnostics)
-    fit_seconds: float  # layer-by-layer fitting (after probes and prefill)
-    probe_seconds: float  # building probes + prefilling the context twice
+    fit_seconds: float  # compressed prefill (if needed) + layer-by-layer fitting
+    probe_seconds: float  # reference prefill + probes + reference pass (shared)
     n_probe_tokens: int
-
-
-def reference_model(model: Model) -> Model:
-    """The same params with full-precision dense caches (window rings for sliding layers)."""
-    return model.replace(caches=default_caches(model.config, "float32"))
 
 
 def patched_params(model: Model, deltas: Sequence) -> dict:
@@ -98,62 +92,58 @@ def _valid_rows(a: jax.Array, lengths: np.ndarray) -> np.ndarray:
     return a[mask]
 
 
-def fit_patches(model: Model, contexts: CalibrationData, probes: ProbeSet | ProbeConfig, *,
+def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = None,
                 ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(),
                 sequential: bool = True, target: str = "attention",
                 layers: Sequence[int] | None = None) -> PatchState:
-    """Fit the per-layer patches of `model` (whose caches compress) for `contexts`."""
-    _validate(model, contexts, target, layers)
-    c = model.config
-    tokens, lengths = np.asarray(contexts.tokens), np.asarray(contexts.lengths)
-    ref = reference_model(model)
-    t0 = time.perf_counter()
-    probe_len = probes.length if isinstance(probes, ProbeConfig) else probes.tokens.shape[1]
-    max_len = int(lengths.max()) + probe_len
-    _, cmp_states = prefill_batch(model, tokens, lengths, max_len)
-    ref_logits, ref_states = prefill_batch(ref, tokens, lengths, max_len)
-    if isinstance(probes, ProbeConfig):
-        probes = build_probes(ref, tokens, lengths, ref_states, ref_logits, probes)
-    jax.block_until_ready(probes.tokens)
-    t1 = time.perf_counter()
+    """Fit the per-layer patches of `model` (whose caches compress) for a probed context.
 
-    start = jnp.asarray(lengths[probes.context], jnp.int32)
+    states: the context's cache states as `model` prefilled them (batch = contexts, at
+      least `probed.max_len` slots); prefilled here when None.
+    """
+    _validate(model, probed, target, layers)
+    t0 = time.perf_counter()
+    c, probes = model.config, probed.probes
+    if states is None:
+        _, states = prefill_batch(model, probed.tokens, probed.lengths, probed.max_len)
+    start = jnp.asarray(probed.lengths[probes.context], jnp.int32)
     n_new = jnp.asarray(probes.lengths, jnp.int32)
     holdout = np.repeat(probes.holdout, probes.lengths)
-    x_ref = layerwise.embed(model, probes.tokens)
-    x_cmp = x_ref
     to_fit = set(range(c.n_layers) if layers is None else layers)
+    x_cmp = probed.reference.hidden[0]
     deltas, fits = [], []
     for layer in range(c.n_layers):
-        s_ref = tile_states(ref_states[layer:layer + 1], probes.context)[0]
-        s_cmp = tile_states(cmp_states[layer:layer + 1], probes.context)[0]
-        x_ref_out, cap_ref = layerwise.run_layer(layerwise.layer_view(ref, layer), x_ref,
-                                                 start, n_new, s_ref)
+        x_ref = probed.reference.hidden[layer]
         x_in = x_cmp if sequential else x_ref
+        s_cmp = tile_states(states[layer:layer + 1], probes.context)[0]
         view = layerwise.layer_view(model, layer)
-        x_cmp_out, cap_cmp = layerwise.run_layer(view, x_in, start, n_new, s_cmp)
-        delta = jnp.zeros_like(model.params["layers"][layer]["wo"], dtype=jnp.float32)
+        x_out, cap = layerwise.run_layer(view, x_in, start, n_new, s_cmp)
+        delta = jnp.zeros(model.params["layers"][layer]["wo"].shape, jnp.float32)
         if layer in to_fit:
-            fit = _fit_layer(model, layer, cap_cmp["attn"], cap_ref["attn"],
-                             x_ref - x_in if target == "residual" else None,
-                             probes.lengths, holdout, ridge_config)
-            fits.append(fit[1])
-            if np.any(fit[0]):
-                delta = jnp.asarray(fit[0], jnp.float32)
-                if sequential:
-                    p = patched_params(layerwise.layer_view(model, layer), [delta])
-                    x_cmp_out, _ = layerwise.run_layer(
-                        layerwise.layer_view(model, layer, p["layers"][0]), x_in, start,
-                        n_new, s_cmp)
+            drift = x_ref - x_in if target == "residual" else None
+            fit_delta, fit = _fit_layer(model, layer, cap["attn"],
+                                        probed.reference.captures[layer]["attn"], drift,
+                                        probes.lengths, holdout, ridge_config)
+            fits.append(fit)
+            if np.any(fit_delta):
+                delta = jnp.asarray(fit_delta, jnp.float32)
+                if sequential:  # the next layer sees this layer patched
+                    p = patched_params(view, [delta])["layers"][0]
+                    x_out, _ = layerwise.run_layer(layerwise.layer_view(model, layer, p),
+                                                   x_in, start, n_new, s_cmp)
         deltas.append(delta)
-        x_ref = x_ref_out
-        x_cmp = x_cmp_out if sequential else x_ref_out
+        x_cmp = x_out
     jax.block_until_ready(deltas)
-    return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t1, t1 - t0,
+    return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t0, probed.seconds,
                       probes.n_tokens)
 
 
 def _fit_layer(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
+    with ridge.single_blas_thread():
+        return _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config)
+
+
+def _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
     wo = np.asarray(model.params["layers"][layer]["wo"], np.float64)
     x = _valid_rows(o_cmp, lengths)
     y = _valid_rows(o_ref, lengths) @ wo - x @ wo
@@ -166,13 +156,13 @@ def _fit_layer(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
     return fit.delta, LayerFit(layer, fit.alpha, fit.lam, fit.train_rel_err, fit.val_rel_err)
 
 
-def _validate(model, contexts, target, layers):
-    if contexts is None:
-        raise ValueError("patchkv needs the context as calibration data "
-                         "(CalibrationData of the context tokens); got None")
-    if not isinstance(contexts, CalibrationData):
-        raise TypeError(f"contexts must be CalibrationData, got {type(contexts).__name__}")
-    contexts.validate()
+def _validate(model, probed, target, layers):
+    if not isinstance(probed, ProbedContext):
+        raise TypeError(f"probed must be a ProbedContext (research.patchkv.probes."
+                        f"probe_context), got {type(probed).__name__}")
+    if len(probed.reference.captures) != model.config.n_layers:
+        raise ValueError(f"probed context has {len(probed.reference.captures)} layers, the "
+                         f"model {model.config.n_layers}")
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     if layers is not None:
@@ -195,8 +185,9 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
         raise TypeError(f"probes must be a ProbeConfig, got {type(probes).__name__}")
 
     def calibrate(model, data):
-        return fit_patches(model, data, probes, ridge_config=ridge_config,
-                           sequential=sequential, target=target, layers=layers)
+        return fit_patches(model, probe_context(model, data, probes),
+                           ridge_config=ridge_config, sequential=sequential, target=target,
+                           layers=layers)
 
     def apply(model, state):
         if not isinstance(state, PatchState):
@@ -219,5 +210,3 @@ def summarize(state: PatchState) -> dict:
             "patch_bytes": patch_nbytes(state), "fit_seconds": state.fit_seconds,
             "probe_seconds": state.probe_seconds, "probe_tokens": state.n_probe_tokens}
 
-
-del dataclasses, state_nbytes  # (kept out of the public namespace)

@@ -19,9 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from research.model.llama import Model
+from research.model.llama import Model, default_caches
+from research.patchkv import layerwise
+from research.patchkv.session import prefill_batch, tile_states
 from research.serving import generate as gen
 from research.serving.sampling import SamplingConfig
+from research.transforms import CalibrationData
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,3 +116,66 @@ def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
         tokens[i, :len(r)] = r
     return ProbeSet(tokens, row_lengths, np.array(ctx_of, np.int32), np.array(kinds),
                     np.concatenate(holdout))
+
+
+def reference_model(model: Model) -> Model:
+    """The same params with full-precision dense caches (window rings for sliding layers)."""
+    return model.replace(caches=default_caches(model.config, "float32"))
+
+
+class ReferencePass(NamedTuple):
+    """The probe rows run through the full-cache reference, layer by layer."""
+
+    hidden: tuple  # L+1 hidden states [P, m, D]: entering each layer, then the output
+    captures: tuple  # L dicts {"q", "k", "v", "attn"} of the probe rows
+
+
+class ProbedContext(NamedTuple):
+    """Everything about a context that does not depend on how its cache is compressed:
+    fit it once, then fit patches (or baselines) for any number of compressions."""
+
+    tokens: np.ndarray  # [B, T] contexts, right-padded
+    lengths: np.ndarray  # [B]
+    probes: ProbeSet
+    ref_states: tuple  # reference cache states of the contexts
+    reference: ReferencePass
+    max_len: int  # cache slots the context + one probe row need
+    seconds: float  # wall time of reference prefill + probes + reference pass
+
+
+def reference_pass(reference: Model, ref_states: tuple, probes: ProbeSet,
+                   lengths: np.ndarray) -> ReferencePass:
+    start = jnp.asarray(np.asarray(lengths)[probes.context], jnp.int32)
+    n_new = jnp.asarray(probes.lengths, jnp.int32)
+    x = layerwise.embed(reference, probes.tokens)
+    hidden, captures = [x], []
+    for layer in range(reference.config.n_layers):
+        state = tile_states(ref_states[layer:layer + 1], probes.context)[0]
+        x, cap = layerwise.run_layer(layerwise.layer_view(reference, layer), x, start, n_new,
+                                     state)
+        hidden.append(x)
+        captures.append({k: cap[k] for k in ("q", "k", "v", "attn")})
+    return ReferencePass(tuple(hidden), tuple(captures))
+
+
+def probe_context(model: Model, contexts: CalibrationData,
+                  config: ProbeConfig = ProbeConfig()) -> ProbedContext:
+    """Prefill `contexts` in the full-precision reference of `model`, build probe rows and
+    run them through the reference (the half of a patch fit shared by every compression)."""
+    import time
+    if contexts is None:
+        raise ValueError("patchkv needs the context as calibration data "
+                         "(CalibrationData of the context tokens); got None")
+    if not isinstance(contexts, CalibrationData):
+        raise TypeError(f"contexts must be CalibrationData, got {type(contexts).__name__}")
+    contexts.validate()
+    t0 = time.perf_counter()
+    tokens, lengths = np.asarray(contexts.tokens), np.asarray(contexts.lengths)
+    ref = reference_model(model)
+    max_len = int(lengths.max()) + config.length
+    ref_logits, ref_states = prefill_batch(ref, tokens, lengths, max_len)
+    probes = build_probes(ref, tokens, lengths, ref_states, ref_logits, config)
+    ref_pass = reference_pass(ref, ref_states, probes, lengths)
+    jax.block_until_ready(ref_pass)
+    return ProbedContext(tokens, lengths, probes, ref_states, ref_pass, max_len,
+                         time.perf_counter() - t0)
