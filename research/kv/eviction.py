@@ -27,6 +27,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 # research.model first: importing research.kv.dense before it is a circular import in core.
@@ -37,6 +38,11 @@ from research.kv.eviction_policies import ScoreInputs, make_policy
 from research.kv.window import WindowKVCache
 from research.pytree import pytree_dataclass, static_field
 from research.transforms import Transform
+
+
+def _is_concrete_number(x) -> bool:
+    """True for Python/numpy numbers (validated eagerly); False for traced leaves."""
+    return isinstance(x, (int, float, np.number)) and not isinstance(x, bool)
 
 
 def context_budget(n_context: Int[Array, "B"], ratio: float) -> Int[Array, "B"]:
@@ -82,13 +88,15 @@ class EvictingKVCache(KVCache):
     """Keeps `ratio` of each sequence's context per KV head, chosen by `policy`."""
 
     policy: object = static_field()
-    ratio: float = static_field()
+    # A leaf, not a hyper-parameter: every budget (and every layer's salt, which seeds the
+    # random policy) shares one compiled program.
+    ratio: float = 0.25
     dtype: str = static_field(default="float32")
-    # Per-layer salt (a leaf, so layers share one compiled program): seeds random policies.
     salt: Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
 
     def __post_init__(self):
-        if not isinstance(self.ratio, (int, float)) or not 0.0 < self.ratio <= 1.0:
+        if isinstance(self.ratio, (str, bytes)) or (
+                _is_concrete_number(self.ratio) and not 0.0 < float(self.ratio) <= 1.0):
             raise ValueError(f"ratio (fraction of context KV kept) must be in (0, 1], "
                              f"got {self.ratio!r}")
         if jnp.dtype(self.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -144,7 +152,8 @@ class EvictingKVCache(KVCache):
                 "n": jnp.minimum(state["n"] + added, n_slots)}
 
     def describe(self):
-        return f"evict[{self.policy.name}@{self.ratio:g},{jnp.dtype(self.dtype).name}]"
+        ratio = f"{float(self.ratio):g}" if _is_concrete_number(self.ratio) else "traced"
+        return f"evict[{self.policy.name}@{ratio},{jnp.dtype(self.dtype).name}]"
 
 
 def evict(policy="snapkv", ratio: float = 0.25, *, layer_ratios: Sequence[float] | None = None,
@@ -158,6 +167,9 @@ def evict(policy="snapkv", ratio: float = 0.25, *, layer_ratios: Sequence[float]
       memory is already bounded). The cache's storage dtype follows the incoming cache.
     """
     policy = make_policy(policy, **policy_options)
+    if not _is_concrete_number(ratio):
+        raise ValueError(f"ratio (fraction of context KV kept) must be a number in (0, 1], "
+                         f"got {ratio!r}")
     EvictingKVCache(policy=policy, ratio=ratio)  # validate now, not at first use
 
     def apply(model, state):
@@ -165,7 +177,8 @@ def evict(policy="snapkv", ratio: float = 0.25, *, layer_ratios: Sequence[float]
         caches = []
         for i, cache in enumerate(model.caches):
             if isinstance(cache, DenseKVCache):
-                cache = EvictingKVCache(policy=policy, ratio=ratios[i], dtype=cache.dtype,
+                cache = EvictingKVCache(policy=policy, ratio=float(ratios[i]),
+                                        dtype=cache.dtype,
                                         salt=jnp.asarray(i, jnp.int32))
             elif not isinstance(cache, WindowKVCache):
                 raise TypeError(f"evict: layer {i} has a {cache.describe()} cache; eviction "
