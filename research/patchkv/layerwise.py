@@ -7,13 +7,11 @@ params and cache, so every layer runs through the same compiled program (the cor
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from research.model import llama
+from research.model import layers, llama
 from research.model.llama import Model
 
 
@@ -30,7 +28,7 @@ def layer_view(model: Model, layer: int, layer_params: dict | None = None) -> Mo
     return Model(config=config, params=params, caches=(model.caches[layer],))
 
 
-@functools.partial(jax.jit, static_argnames=())
+@jax.jit
 def run_layer(view: Model, x: Float[Array, "B T D"], start: Int[Array, "B"],
               n_new: Int[Array, "B"], state) -> tuple[Array, dict]:
     """(hidden after the layer, captures {"h","q","k_pre","k","v","attn"}) for `x` at
@@ -46,3 +44,16 @@ def run_layer(view: Model, x: Float[Array, "B T D"], start: Int[Array, "B"],
 
 def embed(model: Model, tokens) -> Array:
     return model.params["embed"][jnp.asarray(tokens, jnp.int32)]
+
+
+@jax.jit
+def finish_layer(view: Model, x: Float[Array, "B T D"], attn: Float[Array, "B T HD"],
+                 wo: Float[Array, "HD D"]) -> Array:
+    """The rest of the block after attention, with output projection `wo`: what
+    `run_layer` returns for the same x and attention output, without recomputing
+    attention (mirrors `llama._block`; a test checks they agree)."""
+    c, p = view.config, view.params["layers"][0]
+    x = x + attn @ wo.astype(x.dtype)
+    h2 = layers.rms_norm(x, p["ffn_norm"], c.norm_eps)
+    ffn_out, _ = llama._ffn(c, 0, p, h2)
+    return x + ffn_out

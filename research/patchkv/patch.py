@@ -128,9 +128,8 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
             if np.any(fit_delta):
                 delta = jnp.asarray(fit_delta, jnp.float32)
                 if sequential:  # the next layer sees this layer patched
-                    p = patched_params(view, [delta])["layers"][0]
-                    x_out, _ = layerwise.run_layer(layerwise.layer_view(model, layer, p),
-                                                   x_in, start, n_new, s_cmp)
+                    wo = patched_params(view, [delta])["layers"][0]["wo"]
+                    x_out = layerwise.finish_layer(view, x_in, cap["attn"], wo)
         deltas.append(delta)
         x_cmp = x_out
     jax.block_until_ready(deltas)

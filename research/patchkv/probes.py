@@ -4,8 +4,9 @@ Two kinds, both available before any real query arrives:
 
 * generated: continuations sampled from the full-cache reference model (the queries the
   uncompressed model would go on to make about this context);
-* repeat: random spans of the context itself re-fed after it (queries that look back for
-  specific context content, like a retrieval question does).
+* repeat: spans of the context itself re-fed after it (queries that look back for
+  specific context content, like a retrieval question does); the spans start at evenly
+  spaced offsets, so together they cover the whole context.
 
 Rows are split into fit and held-out sets by whole rows (neighbouring tokens are
 correlated, so a token-level split would leak).
@@ -29,8 +30,8 @@ from research.transforms import CalibrationData
 
 @dataclasses.dataclass(frozen=True)
 class ProbeConfig:
-    n_generated: int = 8  # sampled continuations per context
-    n_repeat: int = 8  # context spans re-fed after the context, per context
+    n_generated: int = 16  # sampled continuations per context
+    n_repeat: int = 16  # context spans re-fed after the context, per context
     length: int = 64  # tokens per probe row
     temperature: float = 1.0
     top_p: float = 0.95
@@ -68,10 +69,11 @@ def _holdout_rows(n: int, fraction: float, rng) -> np.ndarray:
     return mask
 
 
-def repeat_rows(context: np.ndarray, n: int, length: int, rng) -> list[np.ndarray]:
-    """`n` random spans of up to `length` tokens of `context`."""
+def repeat_rows(context: np.ndarray, n: int, length: int) -> list[np.ndarray]:
+    """`n` spans of up to `length` tokens of `context` at evenly spaced starts (first and
+    last token included)."""
     span = min(length, len(context))
-    starts = rng.integers(0, len(context) - span + 1, n)
+    starts = np.linspace(0, len(context) - span, n).round().astype(int)
     return [context[s:s + span] for s in starts]
 
 
@@ -106,7 +108,7 @@ def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
             kinds += ["generated"] * config.n_generated
             holdout.append(_holdout_rows(config.n_generated, config.holdout, rng))
         if config.n_repeat:
-            rows += repeat_rows(ctx, config.n_repeat, config.length, rng)
+            rows += repeat_rows(ctx, config.n_repeat, config.length)
             kinds += ["repeat"] * config.n_repeat
             holdout.append(_holdout_rows(config.n_repeat, config.holdout, rng))
         ctx_of += [b] * (config.n_generated + config.n_repeat)

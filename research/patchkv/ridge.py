@@ -90,14 +90,21 @@ def _check(x, y, name="x") -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def gram_eig(x, y) -> GramEig:
-    x, y = _check(x, y)
-    gram = x.T @ x
+def _moments(x, y) -> tuple[np.ndarray, np.ndarray, float]:
+    """Sufficient statistics of a ridge fit: X^T X, X^T Y, ||Y||^2."""
+    return x.T @ x, x.T @ y, float(np.sum(y * y))
+
+
+def _eig(gram, xty, y_sq, n) -> GramEig:
     eigvals, eigvecs = scipy.linalg.eigh(gram, driver="evr")
     eigvals = np.clip(eigvals, 0.0, None)
     scale = float(np.trace(gram)) / gram.shape[0]
-    return GramEig(eigvals, eigvecs, eigvecs.T @ (x.T @ y), float(np.sum(y * y)), x.shape[0],
-                   scale)
+    return GramEig(eigvals, eigvecs, eigvecs.T @ xty, y_sq, n, scale)
+
+
+def gram_eig(x, y) -> GramEig:
+    x, y = _check(x, y)
+    return _eig(*_moments(x, y), x.shape[0])
 
 
 def _inverse_eigs(e: GramEig, lam: float, rtol: float = 1e-10) -> np.ndarray:
@@ -155,6 +162,10 @@ def fit_ridge(x, y, holdout=None, config: RidgeConfig = RidgeConfig()) -> RidgeF
         return _fit_ridge(x, y, holdout, config)
 
 
+def _lam(alpha: float, scale: float) -> float:
+    return math.inf if math.isinf(alpha) else alpha * scale
+
+
 def _fit_ridge(x, y, holdout, config) -> RidgeFit:
     x, y = _check(x, y)
     holdout = np.zeros(x.shape[0], bool) if holdout is None else np.asarray(holdout, bool)
@@ -163,47 +174,61 @@ def _fit_ridge(x, y, holdout, config) -> RidgeFit:
                          f"{holdout.shape}")
     candidates = list(config.alphas) + ([math.inf] if config.allow_zero else [])
     val_err = (math.nan, math.nan)
-    if config.selection == "fixed":
-        alpha = config.alpha
-    elif config.selection == "gcv":
-        e = gram_eig(x, y)
-        alpha = min(candidates, key=lambda a: gcv_score(e, math.inf if math.isinf(a)
-                                                         else a * e.scale))
-    else:
+    if config.selection == "holdout":
         if holdout.all() or not holdout.any():
             raise ValueError("selection='holdout' needs some (not all) rows held out; give "
                              "at least two probe sequences, or use selection='gcv'")
-        e = gram_eig(x[~holdout], y[~holdout])
-        xv, yv = x[holdout] @ e.eigvecs, y[holdout]  # held-out rows in the eigenbasis
-
-        def held_out_sq(a):
-            if math.isinf(a) or e.scale == 0.0:
-                return float(np.sum(yv * yv))
-            pred = (xv * _inverse_eigs(e, a * e.scale)[None, :]) @ e.proj
-            return float(np.sum((yv - pred) ** 2))
-
-        errs = {a: held_out_sq(a) for a in candidates}
-        alpha = min(candidates, key=errs.get)
-        y_val_sq = float(np.sum(yv * yv))
-        val_err = (_rel(y_val_sq, y_val_sq), _rel(errs[alpha], y_val_sq))
-    delta, lam, train = _final_solve(x, y, alpha)
+        fit, val = _moments(x[~holdout], y[~holdout]), _moments(x[holdout], y[holdout])
+        alpha, val_err = _select_holdout(_eig(*fit, int((~holdout).sum())), x[holdout],
+                                         y[holdout], candidates)
+        stats = tuple(a + b for a, b in zip(fit, val))  # all rows, without a second pass
+    else:
+        stats = _moments(x, y)
+        if config.selection == "gcv":
+            e = _eig(*stats, x.shape[0])
+            alpha = min(candidates, key=lambda a: gcv_score(e, _lam(a, e.scale)))
+        else:
+            alpha = config.alpha
+    delta, lam, train = _final_solve(*stats, alpha, x, y)
     if not np.all(np.isfinite(delta)):
         raise FloatingPointError("ridge solution is not finite")
     return RidgeFit(delta, float(alpha), float(lam), train, val_err)
 
 
-def _final_solve(x, y, alpha):
-    """Refit on all rows with the chosen alpha (Cholesky when lam > 0: one factorisation)."""
-    gram, xty = x.T @ x, x.T @ y
-    y_sq = float(np.sum(y * y))
+def _select_holdout(e: GramEig, x_val, y_val, candidates):
+    """Alpha with the least squared error on the held-out rows; (before, after) errors.
+
+    With Xv = x_val V (eigenbasis), P = proj and D = diag(1 / (s + lam)), the held-out
+    prediction is Xv D P, so ||y_val - Xv D P||^2 = ||y_val||^2 - 2 sum_i D_i a_i +
+    sum_ij D_i D_j B_ij M_ij with a_i = <(Xv^T y_val)_i, P_i>, B = Xv^T Xv, M = P P^T:
+    three matrix products once, then O(d^2) per candidate alpha.
+    """
+    xv = x_val @ e.eigvecs
+    y_val_sq = float(np.sum(y_val * y_val))
+    a = np.sum((xv.T @ y_val) * e.proj, axis=1)
+    bm = (xv.T @ xv) * (e.proj @ e.proj.T)
+
+    def held_out_sq(alpha):
+        if math.isinf(alpha) or e.scale == 0.0:
+            return y_val_sq
+        inv = _inverse_eigs(e, _lam(alpha, e.scale))
+        return max(y_val_sq - 2 * float(inv @ a) + float(inv @ bm @ inv), 0.0)
+
+    errs = {alpha: held_out_sq(alpha) for alpha in candidates}
+    alpha = min(candidates, key=errs.get)
+    return alpha, (_rel(y_val_sq, y_val_sq), _rel(errs[alpha], y_val_sq))
+
+
+def _final_solve(gram, xty, y_sq, alpha, x, y):
+    """Fit on all rows with the chosen alpha (Cholesky when lam > 0: one factorisation)."""
     scale = float(np.trace(gram)) / gram.shape[0]
-    lam = math.inf if math.isinf(alpha) else alpha * scale
+    lam = _lam(alpha, scale)
     if math.isinf(lam) or scale == 0.0:
         delta = np.zeros_like(xty)
     elif lam > 0:
         delta = scipy.linalg.cho_solve(scipy.linalg.cho_factor(
             gram + lam * np.eye(gram.shape[0])), xty)
     else:
-        delta = solve(gram_eig(x, y), 0.0)
+        delta = solve(_eig(gram, xty, y_sq, x.shape[0]), 0.0)
     rss = y_sq - 2 * float(np.sum(delta * xty)) + float(np.sum(delta * (gram @ delta)))
     return delta, lam, (_rel(y_sq, y_sq), _rel(max(rss, 0.0), y_sq))

@@ -144,6 +144,29 @@ def test_chain_with_a_quantized_cache(model, context, queries):
     assert after < before, (before, after)
 
 
+def test_layerwise_runner_matches_the_full_forward(model, probed):
+    """Running probe rows layer by layer over the prefilled reference cache reproduces the
+    core forward's hidden state; finish_layer reproduces the block from its attention."""
+    from research.model import forward
+    from research.patchkv import layerwise
+    ref = patch.reference_model(model)
+    probes = probed.probes
+    states = session.tile_states(probed.ref_states, probes.context)
+    start = jnp.full((len(probes.lengths),), N_CTX, jnp.int32)
+    out = forward(ref, jnp.asarray(probes.tokens), cache_states=states, start=start,
+                  n_new=jnp.asarray(probes.lengths), capture=True)
+    for layer in range(model.config.n_layers):
+        np.testing.assert_allclose(probed.reference.captures[layer]["attn"],
+                                   out.captures[layer]["attn"], atol=2e-5, rtol=1e-4)
+    view = layerwise.layer_view(ref, 1)
+    x = probed.reference.hidden[1]
+    x_out, cap = layerwise.run_layer(view, x, start, jnp.asarray(probes.lengths),
+                                     states[1])
+    again = layerwise.finish_layer(view, x, cap["attn"], view.params["layers"][0]["wo"])
+    np.testing.assert_allclose(again, x_out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(x_out, probed.reference.hidden[2], atol=1e-5, rtol=1e-5)
+
+
 def test_zero_per_query_overhead(model, probed):
     compressed = evict("snapkv", 0.25).apply(model, ())
     patched = patch.patchkv(probes=PROBES).apply(compressed,

@@ -98,3 +98,13 @@ def test_bad_input():
         ridge.RidgeConfig(alphas=(-1.0,))
     with pytest.raises(ValueError, match="lam"):
         ridge.solve(ridge.gram_eig(x, y), -1.0)
+
+
+def test_held_out_error_matches_direct_computation():
+    x, y, _ = _data(n=300, d=12, q=4, seed=8, noise=1.0)
+    holdout = np.arange(300) % 3 == 0
+    fit = ridge.fit_ridge(x, y, holdout, ridge.RidgeConfig(allow_zero=False))
+    e = ridge.gram_eig(x[~holdout], y[~holdout])
+    direct = ridge.solve(e, fit.alpha * e.scale)
+    rel = np.linalg.norm(y[holdout] - x[holdout] @ direct) / np.linalg.norm(y[holdout])
+    np.testing.assert_allclose(fit.val_rel_err[1], rel, rtol=1e-8)
