@@ -1,0 +1,1 @@
+"""KV caches: layouts, codecs and eviction policies behind one interface (base.KVCache)."""

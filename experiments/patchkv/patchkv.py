@@ -1,0 +1,44 @@
+r"""PatchKV on SmolLM2-135M-Instruct: eviction presses x budgets x {no patch, PatchKV,
+GRKV-style ridge merge, Attention-Matching-style value fit}, one context, many queries.
+
+Command:   python -m experiments.run --config=experiments/patchkv/patchkv.py:small
+Hardware:  small = CPU (1 continuation context of 512 tokens with 8 continuations, 2
+           retrieval contexts with 4 facts each; SnapKV and StreamingLLM at 10% / 25%),
+           see README for the measured wall time; full = all five presses at 10/25/50%,
+           4 + 4 contexts of 1024 tokens (hours on CPU, minutes on an accelerator).
+Expected:  the claims table: PatchKV closes >= 50% of the continuation-perplexity gap
+           between the compressed and the full cache at 10% and 25% (SnapKV,
+           StreamingLLM) and answers more retrieval questions than the unpatched press;
+           the patched decode step has the unpatched one's FLOPs and parameter shapes.
+"""
+import ml_collections
+
+
+def get_config(arg: str = "small") -> ml_collections.ConfigDict:
+    if arg not in ("small", "full"):
+        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
+    small = arg == "small"
+    c = ml_collections.ConfigDict()
+    c.experiment = "experiments.patchkv.experiment"
+    c.run_name = f"patchkv_{arg}"
+    c.seed = 0
+    c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
+    # Compressions: eviction policy names (research.kv.eviction_policies.POLICIES); other
+    # cache transforms can be registered in experiment.COMPRESSIONS (baselines: n/a).
+    c.compressions = (("snapkv", "streaming_llm") if small else
+                      ("snapkv", "streaming_llm", "h2o", "random", "knorm"))
+    c.budgets = (0.1, 0.25) if small else (0.1, 0.25, 0.5)
+    c.methods = ("none", "patchkv", "grkv", "am")
+    c.continuation = ml_collections.ConfigDict(dict(
+        n_contexts=1 if small else 4, context_len=512 if small else 1024,
+        n_continuations=8, continuation_len=64))
+    c.retrieval = ml_collections.ConfigDict(dict(
+        n_contexts=2 if small else 4, n_facts=4 if small else 6,
+        context_len=512 if small else 1024, max_new_tokens=6))
+    c.probes = ml_collections.ConfigDict(dict(
+        n_generated=16, n_repeat=16, length=64, temperature=1.0, top_p=0.95, holdout=0.25))
+    c.ridge_selection = "holdout"
+    # Ablations on the first compression at the smallest budget (continuation contexts).
+    c.ablations = ("independent", "residual", "gcv") if not small else ("independent",)
+    c.check_flops = True
+    return c

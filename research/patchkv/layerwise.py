@@ -1,0 +1,59 @@
+"""Run token rows through a model one decoder layer at a time, over given cache states.
+
+Fitting layer l's patch on the model that layers < l already patched needs the hidden
+states between layers; `layer_view(model, l)` is a one-layer Model sharing layer l's
+params and cache, so every layer runs through the same compiled program (the core block,
+`research.model.llama._block`, unchanged).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from research.model import layers, llama
+from research.model.llama import Model
+
+
+def layer_view(model: Model, layer: int, layer_params: dict | None = None) -> Model:
+    """A one-layer Model: layer `layer`'s params (or `layer_params`) and cache."""
+    c = model.config
+    if not 0 <= layer < c.n_layers:
+        raise ValueError(f"layer must be in [0, {c.n_layers}), got {layer}")
+    config = c.replace(
+        n_layers=1, layer_kinds=None if c.layer_kinds is None else (c.kind(layer),),
+        moe_layers=None if c.moe is None else ((0,) if c.is_moe(layer) else ()))
+    params = {"layers": (model.params["layers"][layer] if layer_params is None
+                         else layer_params,)}
+    return Model(config=config, params=params, caches=(model.caches[layer],))
+
+
+@jax.jit
+def run_layer(view: Model, x: Float[Array, "B T D"], start: Int[Array, "B"],
+              n_new: Int[Array, "B"], state) -> tuple[Array, dict]:
+    """(hidden after the layer, captures {"h","q","k_pre","k","v","attn"}) for `x` at
+    positions start[b] + t over one layer's cache `state` (the returned state is dropped:
+    each call sees the same prefilled context)."""
+    t = x.shape[1]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t)[None, :] < n_new[:, None]
+    x_out, _, captured, _ = llama._block(view, 0, x, positions, valid, state, start, n_new,
+                                         True)
+    return x_out, captured
+
+
+def embed(model: Model, tokens) -> Array:
+    return model.params["embed"][jnp.asarray(tokens, jnp.int32)]
+
+
+@jax.jit
+def finish_layer(view: Model, x: Float[Array, "B T D"], attn: Float[Array, "B T HD"],
+                 wo: Float[Array, "HD D"]) -> Array:
+    """The rest of the block after attention, with output projection `wo`: what
+    `run_layer` returns for the same x and attention output, without recomputing
+    attention (mirrors `llama._block`; a test checks they agree)."""
+    c, p = view.config, view.params["layers"][0]
+    x = x + attn @ wo.astype(x.dtype)
+    h2 = layers.rms_norm(x, p["ffn_norm"], c.norm_eps)
+    ffn_out, _ = llama._ffn(c, 0, p, h2)
+    return x + ffn_out

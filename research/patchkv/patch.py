@@ -1,0 +1,211 @@
+"""PatchKV: a closed-form ridge patch of each layer's output projection, fit once per context,
+that makes attention over a compressed KV cache act like attention over the full one.
+
+For layer l with output projection W_o [Hq*Dh, D], probe tokens placed after the context
+give attention outputs o_cmp (over the incoming model's compressed cache) and o_ref (over
+a full-precision dense reference cache of the same context). The patch solves
+
+    Delta_l = argmin ||o_cmp Delta - (o_ref W_o - o_cmp W_o)||^2 + lam ||Delta||^2
+
+in closed form (`research.patchkv.ridge`), with lam chosen on held-out probe rows (or GCV),
+and folds it into the weight: W_o <- W_o + Delta_l. The patched model has the same
+parameter shapes and the same per-token compute as the unpatched one.
+
+Generic over the compression: the patch fits against whatever caches the incoming model
+has (an evicting cache, a quantized codec, ...), so `chain(evict(...), patchkv())` and
+`chain(<quantizer>, patchkv())` both work.
+
+Fitting order (`sequential=True`, default): layers are fit bottom-up and layer l's probe
+queries come from the model whose layers < l are already patched and compressed, i.e. the
+model as deployed; `sequential=False` fits every layer on queries taken from the
+reference stream (independent, teacher-forced). `target="residual"` additionally asks
+layer l's patch to cancel the drift its input already carries from lower layers.
+
+Serving protocol (one context, many queries): the context is prefilled once by the
+*incoming* (unpatched) model, which builds the compressed cache the patch was fit for;
+the patched model then serves every query over that cache (`research.patchkv.session`).
+The patch is specific to the context it was fit on.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from research.model.llama import Model
+from research.patchkv import layerwise, ridge
+from research.patchkv.probes import (ProbeConfig, ProbedContext, probe_context,  # noqa: F401
+                                     reference_model)
+from research.patchkv.session import prefill_batch, tile_states
+from research.transforms import Transform
+
+TARGETS = ("attention", "residual")
+
+
+class LayerFit(NamedTuple):
+    layer: int
+    alpha: float  # chosen relative penalty (inf = left unpatched)
+    lam: float
+    train_rel_err: tuple[float, float]  # attention-contribution error before / after
+    val_rel_err: tuple[float, float]  # same on held-out probe rows
+
+
+class PatchState(NamedTuple):
+    """Transform state: one [Hq*Dh, D] delta per layer (zeros where unpatched) + report."""
+
+    deltas: tuple
+    fits: tuple  # LayerFit per layer (host-side diagnostics)
+    fit_seconds: float  # compressed prefill (if needed) + layer-by-layer fitting
+    probe_seconds: float  # reference prefill + probes + reference pass (shared)
+    n_probe_tokens: int
+
+
+def patched_params(model: Model, deltas: Sequence) -> dict:
+    layers = model.params["layers"]
+    if len(deltas) != len(layers):
+        raise ValueError(f"patch has {len(deltas)} layers, model has {len(layers)}")
+    new_layers = []
+    for i, (p, d) in enumerate(zip(layers, deltas)):
+        if d.shape != p["wo"].shape:
+            raise ValueError(f"layer {i}: patch shape {d.shape} != wo shape {p['wo'].shape}")
+        new_layers.append({**p, "wo": (p["wo"].astype(jnp.float32) + d).astype(p["wo"].dtype)})
+    return {**model.params, "layers": tuple(new_layers)}
+
+
+def apply_patch(model: Model, state: PatchState) -> Model:
+    return model.replace(params=patched_params(model, state.deltas),
+                         tags=model.tags + ("patchkv",))
+
+
+def patch_nbytes(state: PatchState) -> int:
+    """Bytes of the non-zero layer patches (f32): what a server stores per context."""
+    return sum(int(d.nbytes) for d in state.deltas if bool(jnp.any(d != 0)))
+
+
+def _valid_rows(a: jax.Array, lengths: np.ndarray) -> np.ndarray:
+    """Flatten [P, m, ...] to the real tokens' rows [N, ...] (float64)."""
+    a = np.asarray(a, np.float64)
+    mask = np.arange(a.shape[1])[None, :] < lengths[:, None]
+    return a[mask]
+
+
+def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = None,
+                ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(),
+                sequential: bool = True, target: str = "attention",
+                layers: Sequence[int] | None = None) -> PatchState:
+    """Fit the per-layer patches of `model` (whose caches compress) for a probed context.
+
+    states: the context's cache states as `model` prefilled them (batch = contexts, at
+      least `probed.max_len` slots); prefilled here when None.
+    """
+    _validate(model, probed, target, layers)
+    t0 = time.perf_counter()
+    c, probes = model.config, probed.probes
+    if states is None:
+        _, states = prefill_batch(model, probed.tokens, probed.lengths, probed.max_len)
+    start = jnp.asarray(probed.lengths[probes.context], jnp.int32)
+    n_new = jnp.asarray(probes.lengths, jnp.int32)
+    holdout = np.repeat(probes.holdout, probes.lengths)
+    to_fit = set(range(c.n_layers) if layers is None else layers)
+    x_cmp = probed.reference.hidden[0]
+    deltas, fits = [], []
+    for layer in range(c.n_layers):
+        x_ref = probed.reference.hidden[layer]
+        x_in = x_cmp if sequential else x_ref
+        s_cmp = tile_states(states[layer:layer + 1], probes.context)[0]
+        view = layerwise.layer_view(model, layer)
+        x_out, cap = layerwise.run_layer(view, x_in, start, n_new, s_cmp)
+        delta = jnp.zeros(model.params["layers"][layer]["wo"].shape, jnp.float32)
+        if layer in to_fit:
+            drift = x_ref - x_in if target == "residual" else None
+            fit_delta, fit = _fit_layer(model, layer, cap["attn"],
+                                        probed.reference.captures[layer]["attn"], drift,
+                                        probes.lengths, holdout, ridge_config)
+            fits.append(fit)
+            if np.any(fit_delta):
+                delta = jnp.asarray(fit_delta, jnp.float32)
+                if sequential:  # the next layer sees this layer patched
+                    wo = patched_params(view, [delta])["layers"][0]["wo"]
+                    x_out = layerwise.finish_layer(view, x_in, cap["attn"], wo)
+        deltas.append(delta)
+        x_cmp = x_out
+    jax.block_until_ready(deltas)
+    return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t0, probed.seconds,
+                      probes.n_tokens)
+
+
+def _fit_layer(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
+    with ridge.single_blas_thread():
+        return _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config)
+
+
+def _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
+    wo = np.asarray(model.params["layers"][layer]["wo"], np.float64)
+    x = _valid_rows(o_cmp, lengths)
+    y = _valid_rows(o_ref, lengths) @ wo - x @ wo
+    if drift is not None:
+        y = y + _valid_rows(drift, lengths)
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise FloatingPointError(f"layer {layer}: probe attention outputs are not finite")
+    use_holdout = holdout if config.selection == "holdout" else None
+    fit = ridge.fit_ridge(x, y, use_holdout, config)
+    return fit.delta, LayerFit(layer, fit.alpha, fit.lam, fit.train_rel_err, fit.val_rel_err)
+
+
+def _validate(model, probed, target, layers):
+    if not isinstance(probed, ProbedContext):
+        raise TypeError(f"probed must be a ProbedContext (research.patchkv.probes."
+                        f"probe_context), got {type(probed).__name__}")
+    if len(probed.reference.captures) != model.config.n_layers:
+        raise ValueError(f"probed context has {len(probed.reference.captures)} layers, the "
+                         f"model {model.config.n_layers}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if layers is not None:
+        bad = [i for i in layers if not 0 <= i < model.config.n_layers]
+        if bad:
+            raise ValueError(f"layers {bad} out of range [0, {model.config.n_layers})")
+
+
+def patchkv(*, probes: ProbeConfig = ProbeConfig(),
+            ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(), sequential: bool = True,
+            target: str = "attention", layers: Sequence[int] | None = None) -> Transform:
+    """Transform: calibrate on the context (CalibrationData), return the patched model.
+
+    Prefill the context with the model *before* this transform (it builds the compressed
+    cache); serve queries with the patched model (see the module docstring).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if not isinstance(probes, ProbeConfig):
+        raise TypeError(f"probes must be a ProbeConfig, got {type(probes).__name__}")
+
+    def calibrate(model, data):
+        return fit_patches(model, probe_context(model, data, probes),
+                           ridge_config=ridge_config, sequential=sequential, target=target,
+                           layers=layers)
+
+    def apply(model, state):
+        if not isinstance(state, PatchState):
+            raise TypeError(f"patchkv state must be a PatchState, got {type(state).__name__}")
+        return apply_patch(model, state)
+
+    name = f"patchkv({'seq' if sequential else 'indep'},{target},{ridge_config.selection})"
+    return Transform(calibrate, apply, name)
+
+
+def summarize(state: PatchState) -> dict:
+    """Mean train/held-out relative errors before/after, layers patched, bytes, times."""
+    fits = state.fits
+    mean = lambda xs: float(np.nanmean(xs)) if len(xs) else float("nan")  # noqa: E731
+    return {"layers_patched": sum(1 for f in fits if np.isfinite(f.alpha)),
+            "train_err_before": mean([f.train_rel_err[0] for f in fits]),
+            "train_err_after": mean([f.train_rel_err[1] for f in fits]),
+            "val_err_before": mean([f.val_rel_err[0] for f in fits]),
+            "val_err_after": mean([f.val_rel_err[1] for f in fits]),
+            "patch_bytes": patch_nbytes(state), "fit_seconds": state.fit_seconds,
+            "probe_seconds": state.probe_seconds, "probe_tokens": state.n_probe_tokens}
+

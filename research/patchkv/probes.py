@@ -1,0 +1,183 @@
+"""Probe queries for fitting a patch: token rows placed right after a context.
+
+Two kinds, both available before any real query arrives:
+
+* generated: continuations sampled from the full-cache reference model (the queries the
+  uncompressed model would go on to make about this context);
+* repeat: spans of the context itself re-fed after it (queries that look back for
+  specific context content, like a retrieval question does); the spans start at evenly
+  spaced offsets, so together they cover the whole context.
+
+Rows are split into fit and held-out sets by whole rows (neighbouring tokens are
+correlated, so a token-level split would leak).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from research.model.llama import Model, default_caches
+from research.patchkv import layerwise
+from research.patchkv.session import prefill_batch, tile_states
+from research.serving import generate as gen
+from research.serving.sampling import SamplingConfig
+from research.transforms import CalibrationData
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    n_generated: int = 16  # sampled continuations per context
+    n_repeat: int = 16  # context spans re-fed after the context, per context
+    length: int = 64  # tokens per probe row
+    temperature: float = 1.0
+    top_p: float = 0.95
+    holdout: float = 0.25  # fraction of rows (per kind) held out to choose the penalty
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n_generated < 0 or self.n_repeat < 0 or self.n_generated + self.n_repeat < 1:
+            raise ValueError(f"need n_generated, n_repeat >= 0 and at least one probe row, "
+                             f"got {self.n_generated=}, {self.n_repeat=}")
+        if self.length < 1:
+            raise ValueError(f"length must be >= 1, got {self.length}")
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+
+
+class ProbeSet(NamedTuple):
+    tokens: np.ndarray  # [P, m] int32, right-padded
+    lengths: np.ndarray  # [P] real tokens per row
+    context: np.ndarray  # [P] index of the context each row continues
+    kind: np.ndarray  # [P] "generated" | "repeat"
+    holdout: np.ndarray  # [P] bool: used only to choose the penalty
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def _holdout_rows(n: int, fraction: float, rng) -> np.ndarray:
+    mask = np.zeros(n, bool)
+    k = int(round(n * fraction))
+    if fraction > 0 and n >= 2:
+        k = min(max(k, 1), n - 1)
+    mask[rng.permutation(n)[:k]] = True
+    return mask
+
+
+def repeat_rows(context: np.ndarray, n: int, length: int) -> list[np.ndarray]:
+    """`n` spans of up to `length` tokens of `context` at evenly spaced starts (first and
+    last token included)."""
+    span = min(length, len(context))
+    starts = np.linspace(0, len(context) - span, n).round().astype(int)
+    return [context[s:s + span] for s in starts]
+
+
+def generated_rows(reference: Model, states: tuple, last_logits, length_of_context: int,
+                   n: int, length: int, sampling: SamplingConfig, key) -> np.ndarray:
+    """`n` sampled continuations [n, length] of one prefilled context (batch-1 states)."""
+    index = jnp.zeros((n,), jnp.int32)
+    states = jax.tree.map(lambda a: jnp.take(a, index, axis=0), states)
+    logits = jnp.take(last_logits, index, axis=0)
+    lengths = jnp.full((n,), length_of_context, jnp.int32)
+    out, _, _, _, _ = gen._decode_loop(reference, logits, lengths, states, key,
+                                       max_new_tokens=length, sampling=sampling,
+                                       stop_tokens=())
+    return np.asarray(out, np.int32)
+
+
+def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
+                 ref_states: tuple, ref_logits, config: ProbeConfig) -> ProbeSet:
+    """Probe rows for every context (right-padded `contexts` [B, T], prefilled by the
+    reference into `ref_states` with room for `config.length` more tokens)."""
+    rng = np.random.default_rng(config.seed)
+    sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p)
+    rows, ctx_of, kinds, holdout = [], [], [], []
+    for b, n in enumerate(np.asarray(lengths)):
+        ctx = np.asarray(contexts[b, :n])
+        if config.n_generated:
+            one = jax.tree.map(lambda a: a[b:b + 1], ref_states)
+            key = jax.random.fold_in(jax.random.key(config.seed), b)
+            gen_rows = generated_rows(reference, one, ref_logits[b:b + 1], int(n),
+                                      config.n_generated, config.length, sampling, key)
+            rows += list(gen_rows)
+            kinds += ["generated"] * config.n_generated
+            holdout.append(_holdout_rows(config.n_generated, config.holdout, rng))
+        if config.n_repeat:
+            rows += repeat_rows(ctx, config.n_repeat, config.length)
+            kinds += ["repeat"] * config.n_repeat
+            holdout.append(_holdout_rows(config.n_repeat, config.holdout, rng))
+        ctx_of += [b] * (config.n_generated + config.n_repeat)
+    row_lengths = np.array([len(r) for r in rows], np.int32)
+    tokens = np.zeros((len(rows), config.length), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    return ProbeSet(tokens, row_lengths, np.array(ctx_of, np.int32), np.array(kinds),
+                    np.concatenate(holdout))
+
+
+def reference_model(model: Model) -> Model:
+    """The same params with full-precision dense caches (window rings for sliding layers)."""
+    return model.replace(caches=default_caches(model.config, "float32"))
+
+
+class ReferencePass(NamedTuple):
+    """The probe rows run through the full-cache reference, layer by layer."""
+
+    hidden: tuple  # L+1 hidden states [P, m, D]: entering each layer, then the output
+    captures: tuple  # L dicts {"q", "k", "v", "attn"} of the probe rows
+
+
+class ProbedContext(NamedTuple):
+    """Everything about a context that does not depend on how its cache is compressed:
+    fit it once, then fit patches (or baselines) for any number of compressions."""
+
+    tokens: np.ndarray  # [B, T] contexts, right-padded
+    lengths: np.ndarray  # [B]
+    probes: ProbeSet
+    ref_states: tuple  # reference cache states of the contexts
+    reference: ReferencePass
+    max_len: int  # cache slots the context + one probe row need
+    seconds: float  # wall time of reference prefill + probes + reference pass
+
+
+def reference_pass(reference: Model, ref_states: tuple, probes: ProbeSet,
+                   lengths: np.ndarray) -> ReferencePass:
+    start = jnp.asarray(np.asarray(lengths)[probes.context], jnp.int32)
+    n_new = jnp.asarray(probes.lengths, jnp.int32)
+    x = layerwise.embed(reference, probes.tokens)
+    hidden, captures = [x], []
+    for layer in range(reference.config.n_layers):
+        state = tile_states(ref_states[layer:layer + 1], probes.context)[0]
+        x, cap = layerwise.run_layer(layerwise.layer_view(reference, layer), x, start, n_new,
+                                     state)
+        hidden.append(x)
+        captures.append({k: cap[k] for k in ("q", "k", "v", "attn")})
+    return ReferencePass(tuple(hidden), tuple(captures))
+
+
+def probe_context(model: Model, contexts: CalibrationData,
+                  config: ProbeConfig = ProbeConfig()) -> ProbedContext:
+    """Prefill `contexts` in the full-precision reference of `model`, build probe rows and
+    run them through the reference (the half of a patch fit shared by every compression)."""
+    import time
+    if contexts is None:
+        raise ValueError("patchkv needs the context as calibration data "
+                         "(CalibrationData of the context tokens); got None")
+    if not isinstance(contexts, CalibrationData):
+        raise TypeError(f"contexts must be CalibrationData, got {type(contexts).__name__}")
+    contexts.validate()
+    t0 = time.perf_counter()
+    tokens, lengths = np.asarray(contexts.tokens), np.asarray(contexts.lengths)
+    ref = reference_model(model)
+    max_len = int(lengths.max()) + config.length
+    ref_logits, ref_states = prefill_batch(ref, tokens, lengths, max_len)
+    probes = build_probes(ref, tokens, lengths, ref_states, ref_logits, config)
+    ref_pass = reference_pass(ref, ref_states, probes, lengths)
+    jax.block_until_ready(ref_pass)
+    return ProbedContext(tokens, lengths, probes, ref_states, ref_pass, max_len,
+                         time.perf_counter() - t0)

@@ -1,0 +1,234 @@
+"""Closed-form multi-output ridge regression with the penalty chosen on data.
+
+    delta = argmin_D ||X D - Y||^2 + lam ||D||^2 = (X^T X + lam I)^-1 X^T Y
+
+solved in float64 through one eigendecomposition of the Gram matrix G = X^T X, so a whole
+grid of lam costs one decomposition. lam is expressed relative to the data scale,
+lam = alpha * trace(G) / d (alpha times the mean eigenvalue), so one alpha grid fits every
+layer. Selection:
+
+* "holdout" (default): alpha minimising the squared error on held-out rows (whole probe
+  sequences, so neighbouring, correlated tokens never straddle the split), then a refit
+  on all rows with that alpha;
+* "gcv": generalised cross-validation, closed form from the eigenvalues;
+* "fixed": the given alpha.
+
+"Do no harm": the zero patch (alpha = inf) is always a candidate, so a layer whose patch
+does not beat zero on held-out rows (or on GCV) stays unpatched.
+
+lam = 0 on a singular Gram matrix gives the minimum-norm least-squares solution
+(eigenvalues below `rtol * max` are treated as zero), never inf/NaN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import contextlib
+
+import numpy as np
+import scipy.linalg
+
+try:  # one BLAS thread: d ~ 600 solves are fastest so, and immune to oversubscription
+    from threadpoolctl import threadpool_limits
+except ImportError:  # optional dependency: fall back to the BLAS default
+    def threadpool_limits(limits=None):
+        return contextlib.nullcontext()
+
+SELECTIONS = ("holdout", "gcv", "fixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class RidgeConfig:
+    selection: str = "holdout"
+    alphas: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 10.0)
+    alpha: float = 1e-2  # used by selection="fixed"
+    allow_zero: bool = True  # the zero patch competes with every alpha
+
+    def __post_init__(self):
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if not self.alphas or any(not (a >= 0 and math.isfinite(a)) for a in self.alphas):
+            raise ValueError(f"alphas must be a non-empty tuple of finite values >= 0, "
+                             f"got {self.alphas}")
+        if not (self.alpha >= 0):
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+
+
+class RidgeFit(NamedTuple):
+    delta: np.ndarray  # [d_in, d_out] float64 (all zero when the zero patch won)
+    alpha: float  # chosen alpha (inf = zero patch)
+    lam: float  # absolute penalty used for `delta`
+    train_rel_err: tuple[float, float]  # ||Y - X D|| / ||Y|| before (D=0) / after, all rows
+    val_rel_err: tuple[float, float]  # same on held-out rows (nan when there are none)
+
+
+class GramEig(NamedTuple):
+    """Everything a ridge solve needs, from one pass over the rows."""
+
+    eigvals: np.ndarray  # [d] of X^T X, ascending, clipped at 0
+    eigvecs: np.ndarray  # [d, d]
+    proj: np.ndarray  # [d, d_out] = V^T X^T Y
+    y_sq: float  # ||Y||^2
+    n: int
+    scale: float  # mean eigenvalue trace(G)/d: lam = alpha * scale
+
+
+def _check(x, y, name="x") -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    if x.ndim != 2 or y.ndim != 2:
+        raise ValueError(f"{name} and its targets must be 2-D [rows, features], got "
+                         f"{x.shape=} {y.shape=}")
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"{name} has {x.shape[0]} rows but the targets have {y.shape[0]}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} has no rows: a ridge fit needs at least one probe token")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise FloatingPointError(f"{name} or its targets contain NaN/inf")
+    return x, y
+
+
+def _moments(x, y) -> tuple[np.ndarray, np.ndarray, float]:
+    """Sufficient statistics of a ridge fit: X^T X, X^T Y, ||Y||^2."""
+    return x.T @ x, x.T @ y, float(np.sum(y * y))
+
+
+def _eig(gram, xty, y_sq, n) -> GramEig:
+    eigvals, eigvecs = scipy.linalg.eigh(gram, driver="evr")
+    eigvals = np.clip(eigvals, 0.0, None)
+    scale = float(np.trace(gram)) / gram.shape[0]
+    return GramEig(eigvals, eigvecs, eigvecs.T @ xty, y_sq, n, scale)
+
+
+def gram_eig(x, y) -> GramEig:
+    x, y = _check(x, y)
+    return _eig(*_moments(x, y), x.shape[0])
+
+
+def _inverse_eigs(e: GramEig, lam: float, rtol: float = 1e-10) -> np.ndarray:
+    if lam > 0:
+        return 1.0 / (e.eigvals + lam)
+    cutoff = rtol * max(float(e.eigvals[-1]), 0.0)
+    safe = np.where(e.eigvals > cutoff, e.eigvals, 1.0)
+    return np.where(e.eigvals > cutoff, 1.0 / safe, 0.0)  # pseudo-inverse on the null space
+
+
+def solve(e: GramEig, lam: float) -> np.ndarray:
+    if not lam >= 0:
+        raise ValueError(f"lam must be >= 0, got {lam}")
+    if math.isinf(lam) or e.scale == 0.0:
+        return np.zeros_like(e.proj)  # infinite penalty, or all-zero inputs: no patch
+    return e.eigvecs @ (_inverse_eigs(e, lam)[:, None] * e.proj)
+
+
+def ridge_solve(x, y, lam: float) -> np.ndarray:
+    """(X^T X + lam I)^-1 X^T Y in float64 (minimum-norm least squares when lam == 0)."""
+    return solve(gram_eig(x, y), lam)
+
+
+def residual_sq(e: GramEig, lam: float) -> float:
+    """||Y - X D(lam)||^2 on the rows `e` was built from, from the eigenvalues alone."""
+    if math.isinf(lam):
+        return e.y_sq
+    inv = _inverse_eigs(e, lam)
+    c = np.sum(e.proj ** 2, axis=1)
+    return max(e.y_sq - float(np.sum(c * (2 * inv - e.eigvals * inv ** 2))), 0.0)
+
+
+def gcv_score(e: GramEig, lam: float) -> float:
+    """Generalised cross-validation: (RSS / n) / (1 - df / n)^2, df = trace of the hat."""
+    if math.isinf(lam):
+        return e.y_sq / e.n
+    df = float(np.sum(e.eigvals * _inverse_eigs(e, lam)))
+    if df >= e.n:
+        return math.inf
+    return residual_sq(e, lam) / e.n / (1.0 - df / e.n) ** 2
+
+
+def _rel(err_sq: float, ref_sq: float) -> float:
+    return math.sqrt(err_sq / ref_sq) if ref_sq > 0 else 0.0
+
+
+def single_blas_thread():
+    """Context: numpy/scipy BLAS on one thread (no-op without threadpoolctl)."""
+    return threadpool_limits(limits=1)
+
+
+def fit_ridge(x, y, holdout=None, config: RidgeConfig = RidgeConfig()) -> RidgeFit:
+    """Fit D with X D ~ Y; `holdout` (bool [rows]) marks rows used to choose alpha."""
+    with single_blas_thread():
+        return _fit_ridge(x, y, holdout, config)
+
+
+def _lam(alpha: float, scale: float) -> float:
+    return math.inf if math.isinf(alpha) else alpha * scale
+
+
+def _fit_ridge(x, y, holdout, config) -> RidgeFit:
+    x, y = _check(x, y)
+    holdout = np.zeros(x.shape[0], bool) if holdout is None else np.asarray(holdout, bool)
+    if holdout.shape != (x.shape[0],):
+        raise ValueError(f"holdout must be a bool mask of {x.shape[0]} rows, got "
+                         f"{holdout.shape}")
+    candidates = list(config.alphas) + ([math.inf] if config.allow_zero else [])
+    val_err = (math.nan, math.nan)
+    if config.selection == "holdout":
+        if holdout.all() or not holdout.any():
+            raise ValueError("selection='holdout' needs some (not all) rows held out; give "
+                             "at least two probe sequences, or use selection='gcv'")
+        fit, val = _moments(x[~holdout], y[~holdout]), _moments(x[holdout], y[holdout])
+        alpha, val_err = _select_holdout(_eig(*fit, int((~holdout).sum())), x[holdout],
+                                         y[holdout], candidates)
+        stats = tuple(a + b for a, b in zip(fit, val))  # all rows, without a second pass
+    else:
+        stats = _moments(x, y)
+        if config.selection == "gcv":
+            e = _eig(*stats, x.shape[0])
+            alpha = min(candidates, key=lambda a: gcv_score(e, _lam(a, e.scale)))
+        else:
+            alpha = config.alpha
+    delta, lam, train = _final_solve(*stats, alpha, x, y)
+    if not np.all(np.isfinite(delta)):
+        raise FloatingPointError("ridge solution is not finite")
+    return RidgeFit(delta, float(alpha), float(lam), train, val_err)
+
+
+def _select_holdout(e: GramEig, x_val, y_val, candidates):
+    """Alpha with the least squared error on the held-out rows; (before, after) errors.
+
+    With Xv = x_val V (eigenbasis), P = proj and D = diag(1 / (s + lam)), the held-out
+    prediction is Xv D P, so ||y_val - Xv D P||^2 = ||y_val||^2 - 2 sum_i D_i a_i +
+    sum_ij D_i D_j B_ij M_ij with a_i = <(Xv^T y_val)_i, P_i>, B = Xv^T Xv, M = P P^T:
+    three matrix products once, then O(d^2) per candidate alpha.
+    """
+    xv = x_val @ e.eigvecs
+    y_val_sq = float(np.sum(y_val * y_val))
+    a = np.sum((xv.T @ y_val) * e.proj, axis=1)
+    bm = (xv.T @ xv) * (e.proj @ e.proj.T)
+
+    def held_out_sq(alpha):
+        if math.isinf(alpha) or e.scale == 0.0:
+            return y_val_sq
+        inv = _inverse_eigs(e, _lam(alpha, e.scale))
+        return max(y_val_sq - 2 * float(inv @ a) + float(inv @ bm @ inv), 0.0)
+
+    errs = {alpha: held_out_sq(alpha) for alpha in candidates}
+    alpha = min(candidates, key=errs.get)
+    return alpha, (_rel(y_val_sq, y_val_sq), _rel(errs[alpha], y_val_sq))
+
+
+def _final_solve(gram, xty, y_sq, alpha, x, y):
+    """Fit on all rows with the chosen alpha (Cholesky when lam > 0: one factorisation)."""
+    scale = float(np.trace(gram)) / gram.shape[0]
+    lam = _lam(alpha, scale)
+    if math.isinf(lam) or scale == 0.0:
+        delta = np.zeros_like(xty)
+    elif lam > 0:
+        delta = scipy.linalg.cho_solve(scipy.linalg.cho_factor(
+            gram + lam * np.eye(gram.shape[0])), xty)
+    else:
+        delta = solve(_eig(gram, xty, y_sq, x.shape[0]), 0.0)
+    rss = y_sq - 2 * float(np.sum(delta * xty)) + float(np.sum(delta * (gram @ delta)))
+    return delta, lam, (_rel(y_sq, y_sq), _rel(max(rss, 0.0), y_sq))
