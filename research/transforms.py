@@ -17,7 +17,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from research.core.transform import (CalibrationData, State, Transform,  # noqa: F401
-                                     calibrate_and_apply, chain, identity)
+                                     calibrate_and_apply, chain, frozen,
+                                     identity)
 from research.kv.dense import DenseKVCache
 from research.kv.window import WindowKVCache
 from research.model.llama import Model

@@ -6,7 +6,7 @@ import pytest
 from research.eval.perplexity import perplexity
 from research.kv.dense import DenseKVCache
 from research.transforms import (CalibrationData, Transform, calibrate_and_apply, chain,
-                                 identity, kv_cache_dtype, weights_dtype)
+                                 frozen, identity, kv_cache_dtype, weights_dtype)
 
 
 def _recording(name, log):
@@ -33,6 +33,16 @@ def test_chain_calibrates_each_on_previous_output(tiny):
 def test_identity_and_empty_chain(tiny):
     assert calibrate_and_apply(identity(), tiny, None)[0] is tiny
     assert calibrate_and_apply(chain(), tiny, None)[0] is tiny
+
+
+def test_frozen_reuses_an_earlier_calibration(tiny):
+    log = []
+    first = _recording("a", log)
+    state = first.calibrate(tiny, None)
+    model, chained = calibrate_and_apply(chain(frozen(first, state), _recording("b", log)),
+                                         tiny, None)
+    assert log == [("a", ()), ("b", ("a0",))]  # "a" was not calibrated again
+    assert chained[0] is state and model.tags == ("a0", "b1")
 
 
 def test_chain_state_length_checked(tiny):

@@ -21,12 +21,12 @@ from research.patchkv import baselines, patch, session, tasks
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
 from research.serving.generate import decode_step, default_stop_tokens
-from research.transforms import CalibrationData
+from research.tasq import TaSQConfig, tasq
+from research.transforms import CalibrationData, Transform, frozen
 
-# name -> factory(ratio) -> Transform whose caches compress the context. Eviction presses
-# are registered here; a quantizer (e.g. TaSQ) can be added with a ratio-free factory.
+# name -> factory(ratio) -> Transform whose caches compress the context (eviction presses).
 COMPRESSIONS = {name: (lambda ratio, name=name: evict(name, ratio)) for name in POLICIES}
-TARGET_COMPRESSIONS = ("snapkv", "streaming_llm")
+TARGET_COMPRESSIONS = ("snapkv", "streaming_llm", "tasq-1bit")
 TARGET_BUDGETS = (0.1, 0.25)
 
 
@@ -79,9 +79,27 @@ def score_retrieval(variant, length, task, tok, max_new, stops):
 
 
 def compressed_states(model, name, ratio, probed):
-    m = COMPRESSIONS[name](ratio).apply(model, ())
-    _, states = session.prefill_batch(m, probed.tokens, probed.lengths, probed.max_len)
-    return m, states
+    return prefilled(COMPRESSIONS[name](ratio).apply(model, ()), probed)
+
+
+def prefilled(compressed, probed):
+    _, states = session.prefill_batch(compressed, probed.tokens, probed.lengths,
+                                      probed.max_len)
+    return compressed, states
+
+
+def calibrate_quantizers(model, tok, config) -> dict[str, Transform]:
+    """Quantizers are calibrated once per model on the calibration split (never on the
+    evaluation contexts), then frozen; PatchKV is fitted per context on top of them."""
+    out = {}
+    for bits in config.quantizers:
+        c = config.tasq
+        cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")),
+                                       c.seq_len, c.n_seqs)
+        t = tasq(TaSQConfig(bits=bits, kmeans_iters=c.kmeans_iters,
+                            max_points=c.max_points, seed=config.seed))
+        out[f"tasq-{bits}bit"] = frozen(t, t.calibrate(model, cal))
+    return out
 
 
 def kv_kept_bytes(states):
@@ -89,7 +107,8 @@ def kv_kept_bytes(states):
     return state_nbytes(trim_states(states, room=0))
 
 
-def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, records, bar):
+def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers, records,
+                bar):
     """All compressions x budgets x methods on one context; appends raw records."""
     probed = probe_context(model, _calibration(task.context), probe_cfg)
     length = len(task.context)
@@ -117,6 +136,17 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, records, b
                                 "patch_bytes": v["patch_bytes"], "kv_bytes": kept,
                                 **score(v)})
             bar.update(1)
+    for name, quantizer in quantizers.items():
+        # Value refits (grkv, am) need evicted slots: quantizers get no patch / PatchKV.
+        m, states = prefilled(quantizer.apply(model, ()), probed)
+        kept = kv_kept_bytes(states)
+        budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
+        methods = [x for x in config.methods if x not in baselines.METHODS]
+        for method, v in make_variants(m, states, probed, methods, ridge_cfg).items():
+            records.append({"kind": kind, "compression": name, "budget": budget,
+                            "method": method, "fit_s": v["fit_s"],
+                            "patch_bytes": v["patch_bytes"], "kv_bytes": kept, **score(v)})
+        bar.update(1)
     if kind == "continuation":
         run_ablations(model, config, probed, ridge_cfg, score, records)
 
@@ -140,7 +170,8 @@ def aggregate(records):
     retrieval accuracy over all questions, mean attention error and fit time."""
     groups = collections.OrderedDict()
     for r in records:
-        groups.setdefault((r["compression"], r["budget"], r["method"]), []).append(r)
+        groups.setdefault((r["compression"], round(r["budget"], 4), r["method"]),
+                          []).append(r)
     rows = []
     for (name, budget, method), rs in groups.items():
         cont = [r for r in rs if r["kind"] == "continuation"]
@@ -192,22 +223,23 @@ def flops_check(model, name, ratio, probed) -> dict:
 def claims(rows, config, flops):
     out = []
     get = {(r["compression"], r["budget"], r["method"]): r for r in rows}
-    for name in TARGET_COMPRESSIONS:
-        if name not in config.compressions:
+    quantized = sorted({(r["compression"], r["budget"]) for r in rows
+                        if r["compression"].startswith("tasq")})
+    targets = [(n, b) for n in TARGET_COMPRESSIONS if n in config.compressions
+               for b in TARGET_BUDGETS if b in config.budgets] + quantized
+    for name, budget in targets:
+        if name not in TARGET_COMPRESSIONS or (name, budget, "patchkv") not in get:
             continue
-        for budget in TARGET_BUDGETS:
-            if budget not in config.budgets or (name, budget, "patchkv") not in get:
-                continue
-            closed = gap_closed(rows, name, budget)
-            out.append(common.claim(f"{name}@{budget:.0%}: PatchKV closes the continuation "
-                                    "ppl gap", ">= 50%", f"{closed:.0%}",
-                                    bool(closed >= 0.5)))
-            none = get[(name, budget, "none")].get("retrieval_acc")
-            fixed = get[(name, budget, "patchkv")].get("retrieval_acc")
-            if none is not None:
-                out.append(common.claim(f"{name}@{budget:.0%}: PatchKV beats the unpatched "
-                                        "press on retrieval", "acc > no-patch acc",
-                                        f"{fixed:.2f} vs {none:.2f}", bool(fixed > none)))
+        closed = gap_closed(rows, name, budget)
+        out.append(common.claim(f"{name}@{budget:.0%}: PatchKV closes the continuation "
+                                "ppl gap", ">= 50%", f"{closed:.0%}",
+                                bool(closed >= 0.5)))
+        none = get[(name, budget, "none")].get("retrieval_acc")
+        fixed = get[(name, budget, "patchkv")].get("retrieval_acc")
+        if none is not None:
+            out.append(common.claim(f"{name}@{budget:.0%}: PatchKV beats the unpatched "
+                                    "press on retrieval", "acc > no-patch acc",
+                                    f"{fixed:.2f} vs {none:.2f}", bool(fixed > none)))
     if flops:
         out.append(common.claim("zero per-query overhead (decode-step FLOPs, param shapes)",
                                 "equal", f"{flops['flops_patched']:.4g} vs "
@@ -232,7 +264,11 @@ def make_plot(rows, config):
                         ax.plot(*zip(*pts), style, marker="o", label=f"{name}/{method}")
             if key in full:
                 ax.axhline(full[key], color="k", lw=0.8, label="full cache")
-            ax.set_xlabel("fraction of context KV kept")
+            for r in rows:
+                if r["compression"].startswith("tasq") and key in r:
+                    ax.plot(r["budget"], r[key], "*" if r["method"] == "patchkv" else "x",
+                            ms=8, label=f"{r['compression']}/{r['method']}")
+            ax.set_xlabel("fraction of context KV bytes kept")
             ax.set_title(label, fontsize=9)
             ax.set_xscale("log")
         fig.axes[0].legend(fontsize=5)
@@ -248,15 +284,17 @@ def run(config, out_dir=None) -> common.Report:
     r = config.retrieval
     retr = [tasks.retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
                                  seed=config.seed + i) for i in range(r.n_contexts)]
+    quantizers = calibrate_quantizers(model, tok, config)
     records = []
-    total = (len(cont) + len(retr)) * len(config.compressions) * len(config.budgets)
+    total = (len(cont) + len(retr)) * (len(config.compressions) * len(config.budgets)
+                                       + len(quantizers))
     with tqdm(total=total, desc="patchkv contexts x compressions x budgets") as bar:
         for task in cont:
             run_context("continuation", model, tok, task, config, probe_cfg, ridge_cfg,
-                        records, bar)
+                        quantizers, records, bar)
         for task in retr:
             run_context("retrieval", model, tok, task, config, probe_cfg, ridge_cfg,
-                        records, bar)
+                        quantizers, records, bar)
     rows = aggregate(records)
     flops = None
     if config.check_flops:
@@ -266,8 +304,9 @@ def run(config, out_dir=None) -> common.Report:
     probe_s = [rec["probe_s"] for rec in records if "probe_s" in rec]
     columns = ["compression", "budget", "method", "ppl", "retrieval_acc", "attn_err",
                "fit_s", "patch_MB", "kv_KB_kept"]
-    closed = {f"{n}@{b}": gap_closed(rows, n, b) for n in config.compressions
-              for b in config.budgets}
+    closed = {f"{r['compression']}@{r['budget']:.3g}": gap_closed(rows, r["compression"],
+                                                                 r["budget"])
+              for r in rows if r["method"] == "none" and "ppl" in r}
     notes = [
         f"{len(cont)} continuation context(s) x {config.continuation.n_continuations} "
         f"continuations of {config.continuation.continuation_len} tokens (held-out prose); "
@@ -276,7 +315,11 @@ def run(config, out_dir=None) -> common.Report:
         "patchkv: W_o + Delta per layer, ridge fit sequentially on probe rows "
         f"({probe_cfg.n_generated} sampled continuations + {probe_cfg.n_repeat} context "
         f"repeats of {probe_cfg.length} tokens), lambda by {config.ridge_selection}; "
-        "grkv/am: kept values (and AM biases) refit on the same probes.",
+        "grkv/am: kept values (and AM biases) refit on the same probes (eviction only).",
+        "tasq-Nbit: TaSQ calibrated once on the calibration split "
+        f"({config.tasq.n_seqs}x{config.tasq.seq_len} tokens), frozen, then "
+        "chain(tasq, patchkv) per context; its budget is the context's KV bytes relative "
+        "to the f32 cache (codebooks are per model, not counted).",
         f"probe building (shared per context, all methods): mean "
         f"{np.mean(probe_s):.1f}s; fit_s is per compression.",
         f"full-precision KV of one {config.continuation.context_len}-token context: "

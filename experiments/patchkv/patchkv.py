@@ -8,7 +8,7 @@ Hardware:  small = CPU (1 continuation context of 512 tokens with 8 continuation
            4 + 4 contexts of 1024 tokens (hours on CPU, minutes on an accelerator).
 Expected:  the claims table: PatchKV closes >= 50% of the continuation-perplexity gap
            between the compressed and the full cache at 10% and 25% (SnapKV,
-           StreamingLLM) and answers more retrieval questions than the unpatched press;
+           StreamingLLM) and on the 1-bit TaSQ cache, and answers more retrieval questions than the unpatched press;
            the patched decode step has the unpatched one's FLOPs and parameter shapes.
 """
 import ml_collections
@@ -29,6 +29,12 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
                       ("snapkv", "streaming_llm", "h2o", "random", "knorm"))
     c.budgets = (0.1, 0.25) if small else (0.1, 0.25, 0.5)
     c.methods = ("none", "patchkv", "grkv", "am")
+    # TaSQ caches (bits per channel), calibrated once on the calibration split, then
+    # chain(tasq, patchkv) per context (value-refit baselines need eviction: not run).
+    c.quantizers = (1,)
+    c.tasq = ml_collections.ConfigDict(dict(
+        seq_len=256, n_seqs=16 if small else 128, kmeans_iters=10 if small else 20,
+        max_points=4096 if small else 32768))
     c.continuation = ml_collections.ConfigDict(dict(
         n_contexts=1 if small else 4, context_len=512 if small else 1024,
         n_continuations=8, continuation_len=64))

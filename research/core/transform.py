@@ -53,6 +53,12 @@ def identity() -> Transform:
     return Transform(lambda model, data: (), lambda model, state: model, "identity")
 
 
+def frozen(transform: Transform, state: State) -> Transform:
+    """`transform` with a state calibrated earlier (e.g. a TaSQ codebook calibrated once per
+    model, then chained with a per-context PatchKV fit): calibrate returns `state`."""
+    return Transform(lambda model, data: state, transform.apply, transform.name)
+
+
 def chain(*transforms: Transform) -> Transform:
     """Sequential composition; state is the tuple of each transform's state."""
 

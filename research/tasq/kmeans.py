@@ -51,11 +51,14 @@ def _lloyd_step(x, w, a, cents):
     mass = jax.ops.segment_sum(w, assign, num_segments=k)
     sums = jax.ops.segment_sum(x * w[:, None], assign, num_segments=k)
     new = sums / jnp.maximum(mass, 1e-30)[:, None]
-    # Re-seed empty clusters on the worst-served points (largest weighted error).
-    worst = jax.lax.top_k(w * dmin, k)[1]
+    # Re-seed empty clusters on the worst-served points (largest weighted error). With
+    # fewer points than centroids (tiny calibration sets) the spare centroids duplicate
+    # points: harmless, every point is still encoded exactly.
+    n_seed = min(k, x.shape[0])
+    worst = jax.lax.top_k(w * dmin, n_seed)[1]
     empty = mass <= 0
     slot = jnp.cumsum(empty) - 1
-    reseed = x[worst[jnp.clip(slot, 0, k - 1)]]
+    reseed = x[worst[jnp.clip(slot, 0, n_seed - 1)]]
     return jnp.where(empty[:, None], reseed, new)
 
 

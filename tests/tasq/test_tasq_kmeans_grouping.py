@@ -21,6 +21,13 @@ def test_kmeans_recovers_separated_clusters():
     assert float(distortion(jnp.asarray(x), cents).max()) < 1e-3
 
 
+def test_kmeans_with_fewer_points_than_centroids_encodes_every_point_exactly():
+    x = np.random.default_rng(1).normal(size=(2, 20, 8))  # 20 points, 256 centroids
+    cents = kmeans(x, 256, iters=3, key=jax.random.key(0))
+    assert cents.shape == (2, 256, 8) and bool(jnp.all(jnp.isfinite(cents)))
+    assert float(distortion(jnp.asarray(x), cents).max()) < 1e-5  # f32 rounding only
+
+
 def test_kmeans_point_and_dim_weights():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(1, 500, 2))
