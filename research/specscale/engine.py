@@ -20,7 +20,7 @@ fold_in(lineage key, p). A sequence's samples therefore do not depend on which o
 sequences share its batch, so search variants are comparable on the same seeds.
 
 Shapes are bucketed (rows to a multiple of `row_multiple`, chunk length and block-table
-width to powers of two) to bound recompilation; `warmup` compiles the buckets up front.
+width to powers of two, chunks to multiples of 8) to bound recompilation; `warmup` compiles the buckets up front.
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ class PagedEngine:
         """Compile (mode, rows, chunk, table width) buckets with all-padding batches."""
         temperature = self.temperature if temperature is None else float(temperature)
         for mode, rows, t, m in shapes:
-            r, t, m = self._row_bucket(rows), _pow2(t), self._table_bucket(m)
+            r, t, m = self._row_bucket(rows), _chunk_bucket(t), self._table_bucket(m)
             table = np.full((r, m), -1, np.int32)
             zeros = np.zeros((r,), np.int32)
             aux = (np.zeros((r, 2), np.uint32) if mode == "sample"
@@ -211,7 +211,7 @@ class PagedEngine:
         starts = [self.manager.length(s) for s in seqs]
         self._copy(self.manager.reserve(dict(rows)))
         r = self._row_bucket(len(rows))
-        t = _pow2(max(n for _, n in rows))
+        t = _chunk_bucket(max(n for _, n in rows))
         m = self._table_bucket(max(len(self.manager.blocks(s)) for s in seqs))
         tokens = np.zeros((r, t), np.int32)
         n_new = np.zeros((r,), np.int32)
@@ -268,6 +268,13 @@ class PagedEngine:
 
     def _missing(self, seq: int):
         raise ValueError(f"unknown or freed sequence id {seq}")
+
+
+def _chunk_bucket(t: int) -> int:
+    """1 (decode), multiples of 8 up to 64, then powers of two: little padding, few shapes."""
+    if t <= 1:
+        return 1
+    return -(-t // 8) * 8 if t <= 64 else _pow2(t)
 
 
 def _pow2(n: int, minimum: int = 1) -> int:

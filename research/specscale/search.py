@@ -11,17 +11,20 @@ at the first token containing a newline (or a stop token, or `max_line_tokens`).
   candidates are verified, the top W per problem survive.
 - SpecScale (same W x E, each ingredient switchable for ablation):
   * `defer=k` deferred verification: candidates write k lines speculatively with no
-    barrier between lines, then all unverified lines are judged in one batched call;
+    barrier between lines, then all unjudged lines are judged in one batched call;
   * `reject_below`: a judged line scoring below it is rejected and the path is rolled
     back to the line before it (KV truncated), the rest of its speculation discarded;
-  * `prune_margin` early pruning: when a candidate finishes a line whose generator
-    log-likelihood (free: computed while sampling) is below the best sibling's at that
-    depth by more than the margin, it is dropped before it costs verification or more
-    generation;
+  * early pruning, from the generator's own log-likelihoods (free: computed while
+    sampling), before a candidate costs verification or more generation:
+    `prune_token_logp` drops a candidate the moment it samples a token less likely than
+    that; `prune_margin` drops it when its finished line is less likely (mean per token)
+    than the best sibling line at that depth by more than the margin;
   * `dedup`: a candidate whose whole token path equals a live sibling's is merged into
-    it (freed), so identical paths are generated and verified once.
+    it (its KV freed, its weight added to the twin's), so identical paths are generated,
+    stored and judged once, and the W surviving beams are distinct paths.
   Shared prefixes are never recomputed in any method: children fork the parent's
-  blocks (the `PagedEngine`), and verifier sequences fork the parent's verified prefix.
+  blocks (the `PagedEngine`), and verifier sequences fork the parent's judged prefix.
+  Every method keeps at least one candidate per problem alive.
 
 Beam search is `SearchConfig(method="beam")`; SpecScale with every switch off reproduces
 it decision for decision (tested), which is what makes the ablation meaningful.
@@ -33,6 +36,7 @@ import math
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from research.serving.generate import default_stop_tokens
@@ -53,6 +57,7 @@ class SearchConfig:
     defer: int = 1
     reject_below: float | None = None
     prune_margin: float | None = None
+    prune_token_logp: float | None = None
     dedup: bool = False
     max_lines: int = 4
     max_line_tokens: int = 16
@@ -67,14 +72,18 @@ class SearchConfig:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
         if self.prune_margin is not None and not self.prune_margin >= 0:
             raise ValueError(f"prune_margin must be >= 0 or None, got {self.prune_margin}")
+        if self.prune_token_logp is not None and not self.prune_token_logp < 0:
+            raise ValueError(f"prune_token_logp must be < 0 or None, got "
+                             f"{self.prune_token_logp}")
         if self.reject_below is not None and not math.isfinite(self.reject_below):
             raise ValueError(f"reject_below must be finite or None, got {self.reject_below}")
         if self.temperature is not None and not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 or None, got {self.temperature}")
         if self.method == "beam" and (self.defer != 1 or self.dedup or self.prune_margin
-                                      is not None or self.reject_below is not None):
-            raise ValueError("method='beam' is plain beam search: use method='specscale' "
-                             "for defer/dedup/prune_margin/reject_below")
+                                      is not None or self.prune_token_logp is not None
+                                      or self.reject_below is not None):
+            raise ValueError("method='beam' is plain beam search: use method='specscale' for "
+                             "defer/dedup/prune_margin/prune_token_logp/reject_below")
 
     @property
     def label(self) -> str:
@@ -97,11 +106,12 @@ def beam_search(beam_width: int, expand: int, **kw) -> SearchConfig:
 
 def specscale(beam_width: int, expand: int, *, defer: int = 2,
               reject_below: float | None = -1.0, prune_margin: float | None = 1.0,
-              dedup: bool = True, **kw) -> SearchConfig:
+              prune_token_logp: float | None = -4.0, dedup: bool = True,
+              **kw) -> SearchConfig:
     return SearchConfig(method="specscale", beam_width=beam_width, expand=expand,
                         defer=defer, reject_below=reject_below, prune_margin=prune_margin,
-                        dedup=dedup, name=kw.pop("name", f"specscale {beam_width}x{expand}"),
-                        **kw)
+                        prune_token_logp=prune_token_logp, dedup=dedup,
+                        name=kw.pop("name", f"specscale {beam_width}x{expand}"), **kw)
 
 
 # -- shared context ----------------------------------------------------------------------
@@ -143,6 +153,7 @@ class Candidate:
     cur_logp: list[float] = dataclasses.field(default_factory=list)
     finished: bool = False
     alive: bool = True
+    weight: int = 1  # identical paths merged into this one (dedup)
 
     @property
     def n_judged(self) -> int:
@@ -191,7 +202,7 @@ class _Searcher:
         kids = []
         for e in range(k):
             kid = dataclasses.replace(
-                parent, gen=self.engine.fork(parent.gen, salt=e),
+                parent, gen=self.engine.fork(parent.gen, salt=e), weight=1,
                 ver=self.verifier.fork(parent.ver), lines=[list(x) for x in parent.lines],
                 line_ends=list(parent.line_ends), gen_scores=list(parent.gen_scores),
                 ver_scores=list(parent.ver_scores), cur=[], cur_logp=[])
@@ -212,6 +223,7 @@ class _Searcher:
     # generation
     def _generate(self, cands: list[Candidate], k: int) -> None:
         """Each live candidate writes up to k more lines (no barrier between lines)."""
+        self._live = cands
         goal = {id(c): len(c.lines) + k for c in cands}
         best_at: dict[tuple[int, int], float] = {}
         closed_at: dict[tuple[int, int], list[Candidate]] = {}
@@ -223,12 +235,21 @@ class _Searcher:
             for c, t, lp in zip(active, toks.tolist(), logps.tolist()):
                 c.cur.append(t)
                 c.cur_logp.append(lp)
-                if self.ctx.line_end[t] or t in self.ctx.stop_ids or \
+                if self._unlikely_token(c, lp):
+                    self._drop(c)
+                elif self.ctx.line_end[t] or t in self.ctx.stop_ids or \
                         len(c.cur) >= self.cfg.max_line_tokens:
                     self._close_line(c, t)
                     self._after_line(c, best_at, closed_at, seen)
             active = [c for c in active
                       if c.alive and not c.finished and len(c.lines) < goal[id(c)]]
+
+    def _unlikely_token(self, c: Candidate, logp: float) -> bool:
+        """Token-level early pruning (never the problem's last live candidate)."""
+        limit = self.cfg.prune_token_logp
+        if limit is None or logp >= limit:
+            return False
+        return any(o is not c and o.alive and o.slot == c.slot for o in self._live)
 
     def _close_line(self, c: Candidate, last_token: int) -> None:
         c.lines.append(c.cur)
@@ -246,6 +267,7 @@ class _Searcher:
             key = (c.slot, tuple(t for line in c.lines for t in line))
             twin = seen.get(key)
             if twin is not None and twin.alive and twin is not c:
+                twin.weight += c.weight
                 self._drop(c)
                 return
             seen[key] = c
@@ -329,7 +351,7 @@ class _Searcher:
                 continue
             (done[c.slot] if c.finished else live.setdefault(c.slot, [])).append(c)
         for slot in list(live):
-            ranked = sorted(live[slot], key=lambda c: c.score, reverse=True)
+            ranked = sorted(live[slot], key=lambda c: (c.score, c.weight), reverse=True)
             if len(done[slot]) >= self.cfg.beam_width:
                 ranked, drop = [], ranked
             else:
@@ -378,6 +400,7 @@ def run_search(ctx: SearchContext, problems: Sequence, cfg: SearchConfig, *, see
     if progress:
         from tqdm.auto import tqdm
         groups = tqdm(groups, desc=cfg.label, leave=False)
+    timer = CompileTimer()
     t0 = time.perf_counter()
     for group in groups:
         searcher = _Searcher(ctx, cfg, seed)
@@ -388,10 +411,12 @@ def run_search(ctx: SearchContext, problems: Sequence, cfg: SearchConfig, *, see
         results += _collect(ctx, group, best)
         _release_group(ctx, base_blocks)
     wall = time.perf_counter() - t0
+    compile_s = timer.stop()
     calls = {k: v - calls0.get(k, 0) for k, v in engine.stats.forward_calls.items()}
     toks = {k: v - tok0.get(k, 0) for k, v in engine.stats.tokens_computed.items()}
     stats = {
-        "wall_s": wall, "problems_per_s": len(problems) / wall,
+        "wall_s": wall, "compile_s": compile_s,
+        "problems_per_s": len(problems) / max(wall - compile_s, 1e-9),
         "forward_calls": sum(calls.values()), "generate_calls": calls.get("generate", 0),
         "verify_calls": calls.get("verify", 0),
         "generated_tokens": engine.stats.sampled_tokens - sampled0,
@@ -425,3 +450,24 @@ def _release_group(ctx: SearchContext, base_blocks: int) -> None:
     if ctx.engine.blocks_in_use != base_blocks:
         raise RuntimeError(f"KV blocks leaked: {ctx.engine.blocks_in_use} in use after a "
                            f"group, expected {base_blocks}")
+
+
+class CompileTimer:
+    """Seconds JAX spent tracing/lowering/compiling while active (excluded from throughput)."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self.seconds, self._on = 0.0, True
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if self._on and event in self.EVENTS:
+            self.seconds += duration
+
+    def stop(self) -> float:
+        self._on = False
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+        return self.seconds
