@@ -174,12 +174,26 @@ class PagedEngine:
         temperature: None = the engine's; 0 = greedy.
         Returns (tokens [n], log-probabilities under the model at temperature 1 [n]).
         """
-        rows = [(s, len(self._tokens[s]) - self.manager.length(s)) for s in seqs]
-        toks, logps = self._run(rows, "sample", tag, temperature)
-        for s, t in zip(seqs, toks):
+        toks, logps = self.draw(seqs, 1, tag, temperature)
+        for s, t in zip(seqs, toks[:, 0]):
             self._tokens[s].append(int(t))
         self.stats.sampled_tokens += len(seqs)
-        return toks, logps
+        return toks[:, 0], logps[:, 0]
+
+    def draw(self, seqs: Sequence[int], n_draws: int, tag: str = "sample",
+             temperature: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Compute all pending tokens and draw `n_draws` independent next tokens per
+        sequence from the same distribution, appending none (the caller branches).
+
+        Draw 0 is the token `sample` would append. One model row serves all draws: this
+        is how a bundle of identical paths is advanced at the cost of one path.
+        Returns (tokens [n, n_draws], log-probabilities at temperature 1 [n, n_draws]).
+        """
+        if n_draws < 1:
+            raise ValueError(f"n_draws must be >= 1, got {n_draws}")
+        rows = [(s, len(self._tokens[s]) - self.manager.length(s)) for s in seqs]
+        toks, logps = self._run(rows, "sample", tag, temperature, _pow2(n_draws))
+        return toks[:, :n_draws], logps[:, :n_draws]
 
     def warmup(self, shapes: Iterable[tuple[str, int, int, int]],
                temperature: float | None = None) -> None:
@@ -193,12 +207,12 @@ class PagedEngine:
                    else np.zeros((r, t), np.int32))
             self.pools, out = _forward(self.model, self.pools, table, np.zeros((r, t), np.int32),
                                        zeros, zeros, aux, mode=mode,
-                                       temperature=temperature)
+                                       temperature=temperature, n_draws=1)
             jax.block_until_ready(out)
 
     # -- internals --------------------------------------------------------------------
     def _run(self, rows: list[tuple[int, int]], mode: str, tag: str,
-             temperature: float | None = None):
+             temperature: float | None = None, n_draws: int = 1):
         temperature = self.temperature if temperature is None else float(temperature)
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -228,7 +242,7 @@ class PagedEngine:
         table = np.full((r, m), -1, np.int32)
         table[:len(rows)] = self.manager.block_table(seqs)[:, :m]
         self.pools, out = _forward(self.model, self.pools, table, tokens, start, n_new, aux,
-                                   mode=mode, temperature=temperature)
+                                   mode=mode, temperature=temperature, n_draws=n_draws)
         self.stats.forward_calls[tag] += 1
         self.stats.tokens_computed[tag] += int(n_new.sum())
         self.stats.padded_tokens += r * t
@@ -291,9 +305,10 @@ def _fold(key: np.ndarray, position: int) -> np.ndarray:
         2, np.uint32)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "temperature"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("mode", "temperature", "n_draws"),
+                   donate_argnums=(1,))
 def _forward(model: Model, pools: tuple, table, tokens, start, n_new, aux, *, mode: str,
-             temperature: float):
+             temperature: float, n_draws: int):
     """One forward pass through the paged caches; returns (new pools, mode's outputs)."""
     table = jnp.asarray(table)
     states = tuple({"k": k, "v": v, "block_table": table} for k, v in pools)
@@ -305,10 +320,18 @@ def _forward(model: Model, pools: tuple, table, tokens, start, n_new, aux, *, mo
     logp = jax.nn.log_softmax(out.logits, axis=-1)
     if mode == "score":  # aux: next-token targets [R, T]
         return new_pools, jnp.take_along_axis(logp, aux[..., None], axis=-1)[..., 0]
+    tok = _draw_tokens(out.logits, aux, temperature, n_draws)  # [R, n_draws]
+    return new_pools, (tok, jnp.take_along_axis(logp, tok, axis=-1))
+
+
+def _draw_tokens(logits, key_words, temperature: float, n_draws: int):
+    """[R, n_draws] tokens; draw i of a row uses fold_in(row key, i) (draw 0: the row key)."""
     if temperature == 0:
-        tok = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
-    else:  # aux: per-row key words [R, 2]
-        keys = jax.vmap(jax.random.wrap_key_data)(aux)
-        tok = jax.vmap(lambda k, l: jax.random.categorical(k, l / temperature))(
-            keys, out.logits).astype(jnp.int32)
-    return new_pools, (tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0])
+        return jnp.repeat(jnp.argmax(logits, axis=-1)[:, None], n_draws, 1).astype(jnp.int32)
+
+    def row(words, row_logits):
+        key = jax.random.wrap_key_data(words)
+        keys = [key] + [jax.random.fold_in(key, i) for i in range(1, n_draws)]
+        return jnp.stack([jax.random.categorical(k, row_logits / temperature) for k in keys])
+
+    return jax.vmap(row)(key_words, logits).astype(jnp.int32)

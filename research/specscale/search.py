@@ -179,6 +179,7 @@ class SearchResult:
     config: SearchConfig
     problems: list[ProblemResult]
     stats: dict
+    judged: list = dataclasses.field(default_factory=list)  # (uid, lines so far, score)
 
     @property
     def accuracy(self) -> float:
@@ -187,9 +188,11 @@ class SearchResult:
 
 # -- the searcher ------------------------------------------------------------------------
 class _Searcher:
-    def __init__(self, ctx: SearchContext, cfg: SearchConfig, seed: int):
-        self.ctx, self.cfg, self.seed = ctx, cfg, seed
+    def __init__(self, ctx: SearchContext, cfg: SearchConfig, seed: int, problems):
+        self.ctx, self.cfg, self.seed, self.problems = ctx, cfg, seed, problems
         self.engine, self.verifier = ctx.engine, ctx.verifier
+        self.judged: list[tuple[int, list[str], float]] = []  # (uid, lines so far, score)
+        self.generated = 0  # tokens appended to candidate paths (a bundle's count once)
 
     # lifecycle helpers
     def _drop(self, c: Candidate) -> None:
@@ -198,15 +201,21 @@ class _Searcher:
             self.verifier.free(c.ver)
             c.alive = False
 
+    def _copy(self, parent: Candidate, salt: int, weight: int) -> Candidate:
+        """A new candidate on the same path (KV shared copy-on-write, nothing recomputed)."""
+        return dataclasses.replace(
+            parent, gen=self.engine.fork(parent.gen, salt=salt), weight=weight,
+            ver=self.verifier.fork(parent.ver), lines=[list(x) for x in parent.lines],
+            line_ends=list(parent.line_ends), gen_scores=list(parent.gen_scores),
+            ver_scores=list(parent.ver_scores), cur=list(parent.cur),
+            cur_logp=list(parent.cur_logp))
+
     def _children(self, parent: Candidate, k: int) -> list[Candidate]:
-        kids = []
-        for e in range(k):
-            kid = dataclasses.replace(
-                parent, gen=self.engine.fork(parent.gen, salt=e), weight=1,
-                ver=self.verifier.fork(parent.ver), lines=[list(x) for x in parent.lines],
-                line_ends=list(parent.line_ends), gen_scores=list(parent.gen_scores),
-                ver_scores=list(parent.ver_scores), cur=[], cur_logp=[])
-            kids.append(kid)
+        """k samples continue from `parent`: k forks, or one bundle of weight k (dedup)."""
+        if self.cfg.dedup:
+            parent.weight = k
+            return [parent]
+        kids = [self._copy(parent, salt=e, weight=1) for e in range(k)]
         self._drop(parent)
         return kids
 
@@ -222,27 +231,61 @@ class _Searcher:
 
     # generation
     def _generate(self, cands: list[Candidate], k: int) -> None:
-        """Each live candidate writes up to k more lines (no barrier between lines)."""
+        """Each live candidate writes up to k more lines (no barrier between lines).
+
+        With `dedup`, a candidate of weight w stands for w identical paths: one model row
+        draws w next tokens, and the bundle splits (forks sharing its KV) only where the
+        draws differ, so identical prefixes are computed once while the sampled paths keep
+        the distribution of w independent samples. Branches are appended to `cands`.
+        """
         self._live = cands
         goal = {id(c): len(c.lines) + k for c in cands}
-        best_at: dict[tuple[int, int], float] = {}
-        closed_at: dict[tuple[int, int], list[Candidate]] = {}
-        seen: dict[tuple, Candidate] = {}
+        marks = ({}, {}, {})  # best line score / closed candidates per depth, dedup index
         active = [c for c in cands if c.alive and not c.finished]
         while active:
-            toks, logps = self.engine.sample([c.gen for c in active], tag="generate",
-                                             temperature=self.cfg.temperature)
-            for c, t, lp in zip(active, toks.tolist(), logps.tolist()):
-                c.cur.append(t)
-                c.cur_logp.append(lp)
-                if self._unlikely_token(c, lp):
-                    self._drop(c)
-                elif self.ctx.line_end[t] or t in self.ctx.stop_ids or \
-                        len(c.cur) >= self.cfg.max_line_tokens:
-                    self._close_line(c, t)
-                    self._after_line(c, best_at, closed_at, seen)
-            active = [c for c in active
+            if self.cfg.dedup:
+                steps = self._draw_bundles(active, cands, goal)
+            else:
+                toks, logps = self.engine.sample([c.gen for c in active], tag="generate",
+                                                 temperature=self.cfg.temperature)
+                steps = list(zip(active, toks.tolist(), logps.tolist()))
+            for c, t, lp in steps:
+                self._advance(c, t, lp, marks)
+            active = [c for c in cands
                       if c.alive and not c.finished and len(c.lines) < goal[id(c)]]
+
+    def _draw_bundles(self, active, cands, goal) -> list[tuple[Candidate, int, float]]:
+        draws, logps = self.engine.draw([c.gen for c in active],
+                                        max(c.weight for c in active), tag="generate",
+                                        temperature=self.cfg.temperature)
+        steps = []
+        for c, row, lps in zip(active, draws.tolist(), logps.tolist()):
+            counts: dict[int, list] = {}
+            for t, lp in zip(row[:c.weight], lps[:c.weight]):
+                counts.setdefault(t, [0, lp])[0] += 1
+            (t0, (n0, lp0)), *rest = counts.items()
+            steps.append((c, t0, lp0))
+            for t, (n, lp) in rest:  # fork before `c` extends: the branches share its KV
+                kid = self._copy(c, salt=t, weight=n)
+                cands.append(kid)
+                goal[id(kid)] = goal[id(c)]
+                steps.append((kid, t, lp))
+            c.weight = n0
+        for c, t, _ in steps:
+            self.engine.extend(c.gen, [t])
+        return steps
+
+    def _advance(self, c: Candidate, t: int, lp: float, marks) -> None:
+        """Record a sampled token; prune, or close the line (then prune / dedup)."""
+        self.generated += 1
+        c.cur.append(t)
+        c.cur_logp.append(lp)
+        if self._unlikely_token(c, lp):
+            self._drop(c)
+        elif self.ctx.line_end[t] or t in self.ctx.stop_ids or \
+                len(c.cur) >= self.cfg.max_line_tokens:
+            self._close_line(c, t)
+            self._after_line(c, *marks)
 
     def _unlikely_token(self, c: Candidate, logp: float) -> bool:
         """Token-level early pruning (never the problem's last live candidate)."""
@@ -288,8 +331,11 @@ class _Searcher:
         firsts = [c.n_judged for c in todo]
         scores = self.verifier.score_lines([c.ver for c in todo],
                                            [c.lines[c.n_judged:] for c in todo])
-        for c, s in zip(todo, scores):
+        for c, s, first in zip(todo, scores, firsts):
             c.ver_scores.extend(s)
+            texts = [self.ctx.tokenizer.decode(x, skip_special=True) for x in c.lines]
+            for i in range(first, len(c.lines)):
+                self.judged.append((self.problems[c.slot].uid, texts[:i + 1], c.ver_scores[i]))
         if self.cfg.reject_below is not None:
             self._rollback(todo, firsts)
 
@@ -326,8 +372,8 @@ class _Searcher:
                       or len(c.lines) >= self.cfg.max_lines)
 
     # methods
-    def beam(self, problems) -> list[Candidate | None]:
-        cfg = self.cfg
+    def beam(self) -> list[Candidate | None]:
+        cfg, problems = self.cfg, self.problems
         live = {c.slot: [c] for c in self._roots(problems)}
         first = {slot: cfg.beam_width * cfg.expand for slot in live}
         done: dict[int, list[Candidate]] = {slot: [] for slot in live}
@@ -368,8 +414,8 @@ class _Searcher:
             best.append(max(pool, key=lambda c: c.score) if pool else None)
         return best
 
-    def sample_n(self, problems, judge: bool) -> list[Candidate | None]:
-        kids = []
+    def sample_n(self, judge: bool) -> list[Candidate | None]:
+        problems, kids = self.problems, []
         for root in self._roots(problems):
             kids += self._children(root, self.cfg.n)
         self._generate(kids, self.cfg.max_lines)
@@ -391,9 +437,7 @@ def run_search(ctx: SearchContext, problems: Sequence, cfg: SearchConfig, *, see
         raise ValueError("problems is empty")
     engine, ver = ctx.engine, ctx.verifier
     calls0, tok0 = dict(engine.stats.forward_calls), dict(engine.stats.tokens_computed)
-    sampled0, copies0, vstats0 = engine.stats.sampled_tokens, engine.stats.block_copies, \
-        dataclasses.replace(ver.stats)
-    engine.reset_peak()
+    copies0, vstats0 = engine.stats.block_copies, dataclasses.replace(ver.stats)
     base_blocks = engine.blocks_in_use
     results: list[ProblemResult] = []
     groups = [problems[i:i + group_size] for i in range(0, len(problems), group_size)]
@@ -402,13 +446,18 @@ def run_search(ctx: SearchContext, problems: Sequence, cfg: SearchConfig, *, see
         groups = tqdm(groups, desc=cfg.label, leave=False)
     timer = CompileTimer()
     t0 = time.perf_counter()
+    group_peaks, judged, generated = [], [], 0
     for group in groups:
-        searcher = _Searcher(ctx, cfg, seed)
+        engine.reset_peak()
+        searcher = _Searcher(ctx, cfg, seed, group)
         if cfg.method == "beam" or cfg.method == "specscale":
-            best = searcher.beam(group)
+            best = searcher.beam()
         else:
-            best = searcher.sample_n(group, judge=cfg.method == "best_of_n")
+            best = searcher.sample_n(judge=cfg.method == "best_of_n")
         results += _collect(ctx, group, best)
+        judged += searcher.judged
+        group_peaks.append(engine.peak_blocks - base_blocks)
+        generated += searcher.generated
         _release_group(ctx, base_blocks)
     wall = time.perf_counter() - t0
     compile_s = timer.stop()
@@ -419,15 +468,16 @@ def run_search(ctx: SearchContext, problems: Sequence, cfg: SearchConfig, *, see
         "problems_per_s": len(problems) / max(wall - compile_s, 1e-9),
         "forward_calls": sum(calls.values()), "generate_calls": calls.get("generate", 0),
         "verify_calls": calls.get("verify", 0),
-        "generated_tokens": engine.stats.sampled_tokens - sampled0,
+        "generated_tokens": generated,
         "tokens_computed": sum(toks.values()),
         "verifier_judgements": ver.stats.calls - vstats0.calls,
         "verifier_tokens": ver.stats.tokens - vstats0.tokens,
-        "peak_kv_blocks": engine.peak_blocks - base_blocks,
-        "peak_kv_bytes": (engine.peak_blocks - base_blocks) * engine.block_bytes,
+        "peak_kv_blocks": max(group_peaks),
+        "peak_kv_bytes": max(group_peaks) * engine.block_bytes,
+        "group_peak_kv_blocks": group_peaks,
         "block_copies": engine.stats.block_copies - copies0,
     }
-    return SearchResult(cfg, results, stats)
+    return SearchResult(cfg, results, stats, judged)
 
 
 def _collect(ctx: SearchContext, problems, best) -> list[ProblemResult]:
@@ -471,3 +521,24 @@ class CompileTimer:
         self._on = False
         jax.monitoring.unregister_event_duration_listener(self._listen)
         return self.seconds
+
+
+def merge_results(parts: Sequence[SearchResult]) -> SearchResult:
+    """One result from runs of the same config on consecutive problem groups."""
+    if not parts:
+        raise ValueError("parts is empty")
+    cfg = parts[0].config
+    if any(p.config != cfg for p in parts):
+        raise ValueError("merge_results needs results of one SearchConfig")
+    stats: dict = {}
+    for key in parts[0].stats:
+        values = [p.stats[key] for p in parts]
+        if key == "peak_kv_blocks" or key == "peak_kv_bytes":
+            stats[key] = max(values)
+        elif key == "group_peak_kv_blocks":
+            stats[key] = [x for v in values for x in v]
+        elif key != "problems_per_s":
+            stats[key] = sum(values)
+    problems = [q for p in parts for q in p.problems]
+    stats["problems_per_s"] = len(problems) / max(stats["wall_s"] - stats["compile_s"], 1e-9)
+    return SearchResult(cfg, problems, stats, [j for p in parts for j in p.judged])
