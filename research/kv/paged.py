@@ -44,6 +44,7 @@ class PagedKVCache(KVCache):
     implementation: "xla" gathers each row's blocks and runs the core masked attention
       (the reference); "pallas" runs `kernels_pallas.paged_attention` for single-token
       decode chunks (T == 1) and the reference otherwise.
+    backend: the Pallas kernel's target, "tpu" (Mosaic) or "triton" (GPU).
     interpret: run the Pallas kernel in interpret mode (CPU); explicit, never guessed.
     """
 
@@ -51,6 +52,7 @@ class PagedKVCache(KVCache):
     n_blocks: int = static_field(default=0)
     dtype: str = static_field(default="float32")
     implementation: str = static_field(default="xla")
+    backend: str = static_field(default="tpu")
     interpret: bool = static_field(default=False)
 
     def __post_init__(self):
@@ -61,6 +63,8 @@ class PagedKVCache(KVCache):
                              f"got {self.n_blocks}")
         if jnp.dtype(self.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.backend not in ("tpu", "triton"):
+            raise ValueError(f"backend must be 'tpu' or 'triton', got {self.backend!r}")
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
                              f"got {self.implementation!r}")
@@ -88,7 +92,7 @@ class PagedKVCache(KVCache):
             from kernels_pallas.paged_attention import api
             out = api.paged_decode_attention(
                 q[:, 0], state["k"], state["v"], table, lengths, window=window,
-                implementation="pallas", interpret=self.interpret)
+                implementation="pallas", backend=self.backend, interpret=self.interpret)
             return out[:, None], state
         q_pos = start[:, None] + jnp.arange(t)[None, :]
         return paged_attention_reference(q, state["k"], state["v"], table, q_pos,
@@ -182,7 +186,7 @@ def _copy_pool_blocks(pools, src, dst):
 
 
 def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str = "xla",
-                   interpret: bool = False) -> Transform:
+                   interpret: bool = False, backend: str = "tpu") -> Transform:
     """Transform: every layer's cache becomes a `PagedKVCache` keeping the layer's dtype."""
     def calibrate(model, data):
         del model, data
@@ -192,9 +196,11 @@ def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str 
         del state
         caches = tuple(PagedKVCache(block_size=block_size, n_blocks=n_blocks,
                                     dtype=getattr(c, "dtype", "float32"),
-                                    implementation=implementation, interpret=interpret)
+                                    implementation=implementation, backend=backend,
+                                    interpret=interpret)
                        for c in model.caches)
         return model.replace(caches=caches)
 
-    PagedKVCache(block_size=block_size, n_blocks=n_blocks, implementation=implementation)
+    PagedKVCache(block_size=block_size, n_blocks=n_blocks, implementation=implementation,
+                 backend=backend)  # validates the arguments now, not at apply time
     return Transform(calibrate, apply, f"paged_kv(block_size={block_size})")
