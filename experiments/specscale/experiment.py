@@ -31,13 +31,15 @@ def methods(config) -> list[S.SearchConfig]:
     out = [S.single_sample(greedy=True, **lim), S.single_sample(**lim),
            S.best_of_n(config.best_of_n, **lim), S.beam_search(w, e, **lim),
            S.specscale(w, e, **spec, **lim)]
-    off = {"defer": dict(defer=1), "reject": dict(reject_below=None),
-           "prune": dict(prune_margin=None, prune_token_logp=None), "dedup": dict(dedup=False)}
+    flips = {"+defer": dict(defer=2), "-defer": dict(defer=1),
+             "-reject": dict(reject_below=None),
+             "-prune": dict(prune_margin=None, prune_token_logp=None),
+             "-dedup": dict(dedup=False)}
     for name in config.ablations:
-        if name not in off:
-            raise ValueError(f"unknown ablation {name!r}; expected one of {sorted(off)}")
-        out.append(S.specscale(w, e, **{**spec, **off[name]}, **lim,
-                               name=f"specscale {w}x{e} - {name}"))
+        if name not in flips:
+            raise ValueError(f"unknown ablation {name!r}; expected one of {sorted(flips)}")
+        out.append(S.specscale(w, e, **{**spec, **flips[name]}, **lim,
+                               name=f"specscale {w}x{e} {name}"))
     return out
 
 
@@ -76,19 +78,18 @@ def run(config) -> common.Report:
     ctx.close()
     del ctx, engine
 
-    beam_label = S.beam_search(config.beam.beam_width, config.beam.expand).label
-    spec_label = S.specscale(config.beam.beam_width, config.beam.expand).label
-    beam, spec = results[beam_label], results[spec_label]
-    first_group = problems[:config.group_size]
-    no_share = no_sharing_peak(model, tok, task, first_group, config, beam.config)
+    beam = results[S.beam_search(config.beam.beam_width, config.beam.expand).label]
+    spec = results[S.specscale(config.beam.beam_width, config.beam.expand).label]
+    memory = memory_runs(model, tok, task, problems[:config.memory_problems], config,
+                         beam.config, spec.config)
     auroc, n_steps = verifier_auroc(task, problems, beam.judged)
-    claims, notes = make_claims(config, results, beam, spec, no_share, auroc, n_steps)
+    claims, notes = make_claims(config, results, beam, spec, memory, auroc, n_steps)
     return common.Report(
         columns=COLUMNS, rows=rows,
         title="SpecScale on SmolLM2-135M-Instruct: arithmetic chains "
               f"({config.n_problems} problems, seed {config.seed})",
         claims=claims, notes=notes, plot=lambda fig: plot(fig, rows),
-        extra={"no_sharing": no_share, "verifier_step_auroc": auroc,
+        extra={"memory": memory, "verifier_step_auroc": auroc,
                "verifier_steps_labelled": n_steps,
                "stats": {k: r.stats for k, r in results.items()},
                "answers": {k: [dict(uid=p.uid, answer=p.answer, predicted=p.predicted,
@@ -112,22 +113,28 @@ def run_interleaved(ctx, problems, cfgs, config) -> dict[str, S.SearchResult]:
     return {label: S.merge_results(p) for label, p in parts.items()}
 
 
-def no_sharing_peak(model, tok, task, group, config, beam_cfg) -> dict:
-    """Beam search on one group with forks that copy every block (no prefix sharing)."""
+def memory_runs(model, tok, task, group, config, beam_cfg, spec_cfg) -> list[dict]:
+    """Peak KV blocks on one group: beam with / without prefix sharing, and SpecScale."""
     e = config.engine
-    engine = PagedEngine(model, n_blocks=config.no_sharing_n_blocks, block_size=e.block_size,
-                         max_len=e.max_len, temperature=e.temperature, share_prefix=False)
-    ctx = S.SearchContext(engine, tok, task)
-    res = S.run_search(ctx, group, beam_cfg, seed=config.seed, group_size=len(group),
-                       progress=True)
-    return {"method": beam_cfg.label + " (no sharing)", "problems": len(group),
-            "peak_kv_blocks": res.stats["peak_kv_blocks"],
-            "peak_kv_MiB": res.stats["peak_kv_bytes"] / 2**20,
-            "block_copies": res.stats["block_copies"],
-            "texts": [p.text for p in res.problems]}
+    rows = []
+    for cfg, share, n_blocks in ((beam_cfg, True, e.n_blocks), (spec_cfg, True, e.n_blocks),
+                                 (beam_cfg, False, config.no_sharing_n_blocks)):
+        engine = PagedEngine(model, n_blocks=n_blocks, block_size=e.block_size,
+                             max_len=e.max_len, temperature=e.temperature, share_prefix=share)
+        ctx = S.SearchContext(engine, tok, task)
+        res = S.run_search(ctx, group, cfg, seed=config.seed, group_size=len(group),
+                           progress=True)
+        rows.append({"method": cfg.label + ("" if share else " (no sharing)"),
+                     "problems": len(group), "peak_kv_blocks": res.stats["peak_kv_blocks"],
+                     "peak_kv_MiB": res.stats["peak_kv_bytes"] / 2**20,
+                     "block_copies": res.stats["block_copies"],
+                     "texts": [p.text for p in res.problems]})
+        ctx.close()
+        del ctx, engine
+    return rows
 
 
-def make_claims(config, results, beam, spec, no_share, auroc, n_steps):
+def make_claims(config, results, beam, spec, memory, auroc, n_steps):
     acc = {k: r.accuracy for k, r in results.items()}
     single = results[S.single_sample().label]
     best_search = max((k for k in acc if k not in ("greedy", "single sample")),
@@ -136,9 +143,8 @@ def make_claims(config, results, beam, spec, no_share, auroc, n_steps):
     diff, lo, hi = paired_bootstrap_diff([p.correct for p in spec.problems],
                                          [p.correct for p in beam.problems])
     equal_acc = acc[spec.config.label] >= acc[beam.config.label] - 0.01
-    beam_g1 = beam.stats["group_peak_kv_blocks"][0]
-    spec_g1 = spec.stats["group_peak_kv_blocks"][0]
-    share_ratio = no_share["peak_kv_blocks"] / max(spec_g1, 1)
+    beam_mem, spec_mem, none_mem = (m["peak_kv_blocks"] for m in memory)
+    share_ratio = none_mem / max(spec_mem, 1)
     claims = [
         common.claim("single sample solves the task sometimes, not always", "0 < acc < 1",
                      f"{acc['single sample']:.3f} (greedy {acc['greedy']:.3f})",
@@ -152,15 +158,17 @@ def make_claims(config, results, beam, spec, no_share, auroc, n_steps):
                      "acc >= beam - 0.01",
                      f"{acc[spec.config.label]:.3f} vs {acc[beam.config.label]:.3f} "
                      f"(paired diff {diff:+.3f}, 95% CI [{lo:+.3f}, {hi:+.3f}])", equal_acc),
-        common.claim("peak KV blocks well below the no-sharing baseline (group 1)",
+        common.claim("peak KV blocks well below the no-sharing baseline",
                      "<= 0.5x no-sharing",
-                     f"specscale {spec_g1}, beam {beam_g1} vs no-sharing "
-                     f"{no_share['peak_kv_blocks']} ({1 / share_ratio:.2f}x)",
-                     share_ratio >= 2.0),
+                     f"{memory[0]['problems']} problems: specscale {spec_mem}, beam "
+                     f"{beam_mem}, beam without sharing {none_mem} blocks "
+                     f"(specscale {1 / share_ratio:.2f}x)", share_ratio >= 2.0),
     ]
     n = len(single.problems)
-    half = max(wilson_interval(int(a * n), n)[1] - a for a in acc.values())
+    half = max(wilson_interval(round(a * n), n)[1] - a for a in acc.values())
     notes = [
+        f"single sample = one path at the search temperature ({config.engine.temperature}); "
+        f"greedy decoding scores {acc['greedy']:.3f}, best search {acc[best_search]:.3f}",
         f"accuracy uncertainty: {n} problems, 95% Wilson half-widths up to {half:.2f}; a "
         "1-point accuracy difference is below what this run can resolve",
         f"verifier: step-level AUROC {auroc:.3f} over {n_steps} judged steps of beam search "
@@ -168,8 +176,9 @@ def make_claims(config, results, beam, spec, no_share, auroc, n_steps):
         "problems/s excludes JAX compile time (measured with jax.monitoring and subtracted); "
         "wall_s includes it; methods run interleaved group by group in one process, so "
         "load from other jobs on the machine affects all of them alike",
-        f"no-sharing beam on group 1 gives the same texts as beam with sharing: "
-        f"{no_share['texts'] == [p.text for p in beam.problems[:no_share['problems']]]}",
+        f"beam without prefix sharing gives the same texts as with sharing: "
+        f"{memory[2]['texts'] == memory[0]['texts']} (block copies: "
+        f"{memory[2]['block_copies']} vs {memory[0]['block_copies']})",
     ]
     return claims, notes
 
