@@ -144,7 +144,10 @@ def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, block_size: i
 
     init = (jnp.full((1, 1), MASK, jnp.float32), jnp.zeros((1, 1), jnp.float32),
             jnp.zeros((1, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    # only the blocks holding positions [length - window, length) are visited
+    last = jnp.minimum((length + block_size - 1) // block_size, n_blocks)
+    first = 0 if window is None else jnp.maximum(length - window, 0) // block_size
+    m, l, acc = jax.lax.fori_loop(first, last, body, init)
     out = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
     o_ref[...] = out[0].astype(o_ref.dtype)
 

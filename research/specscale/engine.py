@@ -192,7 +192,9 @@ class PagedEngine:
         if n_draws < 1:
             raise ValueError(f"n_draws must be >= 1, got {n_draws}")
         rows = [(s, len(self._tokens[s]) - self.manager.length(s)) for s in seqs]
-        toks, logps = self._run(rows, "sample", tag, temperature, _pow2(n_draws))
+        # draws beyond n_draws are free (one row's logits); bucketing to >= 8 keeps the
+        # number of compiled shapes small
+        toks, logps = self._run(rows, "sample", tag, temperature, _pow2(n_draws, minimum=8))
         return toks[:, :n_draws], logps[:, :n_draws]
 
     def warmup(self, shapes: Iterable[tuple[str, int, int, int]],
