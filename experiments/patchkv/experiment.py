@@ -22,7 +22,7 @@ from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
 from research.serving.generate import decode_step, default_stop_tokens
 from research.tasq import TaSQConfig, tasq
-from research.transforms import CalibrationData, Transform, frozen
+from research.transforms import CalibrationData, Transform, calibrate_and_apply, frozen
 
 # name -> factory(ratio) -> Transform whose caches compress the context (eviction presses).
 COMPRESSIONS = {name: (lambda ratio, name=name: evict(name, ratio)) for name in POLICIES}
@@ -138,7 +138,7 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
             bar.update(1)
     for name, quantizer in quantizers.items():
         # Value refits (grkv, am) need evicted slots: quantizers get no patch / PatchKV.
-        m, states = prefilled(quantizer.apply(model, ()), probed)
+        m, states = prefilled(calibrate_and_apply(quantizer, model, None)[0], probed)
         kept = kv_kept_bytes(states)
         budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
         methods = [x for x in config.methods if x not in baselines.METHODS]

@@ -1,0 +1,114 @@
+"""Search methods on a tiny random model: invariants, no leaks, ablation consistency."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from research.specscale import search as S
+from research.specscale.engine import PagedEngine
+from research.tasks import ArithmeticChains
+
+TASK = ArithmeticChains(n_shots=1, verifier_shots=2)
+LIMITS = dict(max_lines=3, max_line_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def ctx(char_model, char_tokenizer):
+    engine = PagedEngine(char_model, n_blocks=400, block_size=8, max_len=512, temperature=1.0)
+    return S.SearchContext(engine, char_tokenizer, TASK)
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return TASK.problems(3, seed=0)
+
+
+def _run(ctx, problems, cfg):
+    base = ctx.engine.blocks_in_use
+    result = S.run_search(ctx, problems, cfg, seed=0, group_size=2)
+    assert ctx.engine.blocks_in_use == base  # every group's sequences were freed
+    assert len(result.problems) == len(problems)
+    return result
+
+
+def test_specscale_with_every_switch_off_is_beam_search(ctx, problems):
+    beam = _run(ctx, problems, S.beam_search(2, 2, **LIMITS))
+    off = _run(ctx, problems, S.specscale(2, 2, defer=1, reject_below=None, prune_margin=None,
+                                          prune_token_logp=None, dedup=False, **LIMITS))
+    assert [p.text for p in beam.problems] == [p.text for p in off.problems]
+    assert [p.score for p in beam.problems] == pytest.approx([p.score for p in off.problems])
+    for key in ("generated_tokens", "verifier_judgements", "forward_calls"):
+        assert beam.stats[key] == off.stats[key], key
+
+
+def test_ingredients_only_remove_work(ctx, problems):
+    beam = _run(ctx, problems, S.beam_search(2, 3, **LIMITS))
+    pruned = _run(ctx, problems, S.specscale(2, 3, defer=1, reject_below=None,
+                                             prune_margin=0.0, prune_token_logp=-3.0,
+                                             dedup=False, **LIMITS))
+    assert pruned.stats["verifier_judgements"] < beam.stats["verifier_judgements"]
+    assert pruned.stats["generated_tokens"] <= beam.stats["generated_tokens"]
+    deferred = _run(ctx, problems, S.specscale(2, 3, defer=3, reject_below=None,
+                                               prune_margin=None, prune_token_logp=None,
+                                               dedup=False, **LIMITS))
+    assert deferred.stats["verify_calls"] < beam.stats["verify_calls"]
+
+
+def test_rejection_rolls_back_and_keeps_one_path_per_problem(ctx, problems):
+    # every line of the random model scores far below 0: all would be rejected
+    res = _run(ctx, problems, S.specscale(2, 2, defer=2, reject_below=-0.001,
+                                          prune_margin=None, prune_token_logp=None,
+                                          dedup=True, **LIMITS))
+    assert all(p.text for p in res.problems)  # a path survived for every problem
+
+
+def test_best_of_n_and_single_sample(ctx, problems):
+    one = _run(ctx, problems, S.single_sample(**LIMITS))
+    bon = _run(ctx, problems, S.best_of_n(3, **LIMITS))
+    assert one.stats["verifier_judgements"] == 0 and bon.stats["verifier_judgements"] > 0
+    assert bon.stats["peak_kv_blocks"] > one.stats["peak_kv_blocks"]
+    greedy = _run(ctx, problems, S.single_sample(greedy=True, **LIMITS))
+    again = _run(ctx, problems, S.single_sample(greedy=True, **LIMITS))
+    assert [p.text for p in greedy.problems] == [p.text for p in again.problems]
+
+
+def test_dedup_merges_identical_paths(char_model, char_tokenizer, problems):
+    """Greedy children are identical: dedup keeps one per beam and judges it once."""
+    engine = PagedEngine(char_model, n_blocks=400, block_size=8, max_len=512, temperature=0.0)
+    ctx = S.SearchContext(engine, char_tokenizer, TASK)
+    plain = S.run_search(ctx, problems, S.beam_search(1, 4, **LIMITS), group_size=3)
+    dedup = S.run_search(ctx, problems, S.specscale(1, 4, defer=1, reject_below=None,
+                                                    prune_margin=None, prune_token_logp=None,
+                                                    dedup=True, **LIMITS), group_size=3)
+    assert [p.text for p in plain.problems] == [p.text for p in dedup.problems]
+    assert dedup.stats["verifier_judgements"] * 4 == plain.stats["verifier_judgements"]
+    assert dedup.stats["peak_kv_blocks"] < plain.stats["peak_kv_blocks"]
+    ctx.close()
+    assert engine.blocks_in_use == 0
+
+
+def test_no_sharing_baseline_uses_more_blocks(char_model, char_tokenizer, problems):
+    peaks = {}
+    for share in (True, False):
+        engine = PagedEngine(char_model, n_blocks=1200, block_size=8, max_len=512,
+                             temperature=1.0, share_prefix=share)
+        ctx = S.SearchContext(engine, char_tokenizer, TASK)
+        res = S.run_search(ctx, problems, S.beam_search(2, 2, **LIMITS), group_size=3)
+        peaks[share] = (res.stats["peak_kv_blocks"], [p.text for p in res.problems])
+    assert peaks[True][1] == peaks[False][1]  # same search, same outputs
+    assert peaks[True][0] * 2 < peaks[False][0]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="method"):
+        S.SearchConfig(method="mcts")
+    with pytest.raises(ValueError, match="beam_width"):
+        S.beam_search(0, 2)
+    with pytest.raises(ValueError, match="plain beam search"):
+        S.SearchConfig(method="beam", dedup=True)
+    with pytest.raises(ValueError, match="prune_margin"):
+        S.specscale(2, 2, prune_margin=-1.0)
+    with pytest.raises(ValueError, match="prune_token_logp"):
+        S.specscale(2, 2, prune_token_logp=0.5)
+    with pytest.raises(ValueError, match="group_size"):
+        S.run_search(None, [1], S.beam_search(1, 1), group_size=0)
