@@ -68,5 +68,18 @@ def measure_step_costs(model: Model, drafter: Drafter, draft_lengths: Sequence[i
                 times[k].append(time.perf_counter() - t0)
             caches = out.caches
     med = [statistics.median(times[k]) for k in ks]
-    return {"k": list(ks), "median_s": med, "relative": [m / med[0] for m in med],
-            "batch": batch, "max_len": max_len}
+    rel = [m / med[0] for m in med]
+    return {"k": list(ks), "median_s": med, "relative": rel,
+            "linear_fit": linear_cost_fit(ks, rel), "batch": batch, "max_len": max_len}
+
+
+def linear_cost_fit(ks: Sequence[int], relative: Sequence[float]) -> list[float]:
+    """Least-squares 1 + slope * k through the measured relative costs (slope >= 0).
+
+    On a noisy shared machine single medians jump around; the fitted line keeps the
+    policy's choices stable while following the measured growth with k."""
+    ks = np.asarray(ks, np.float64)
+    rel = np.asarray(relative, np.float64)
+    denom = float(np.sum(ks * ks))
+    slope = max(float(np.sum(ks * (rel - 1.0))) / denom, 0.0) if denom else 0.0
+    return [1.0 + slope * float(k) for k in ks]

@@ -5,7 +5,7 @@ runs any of them inside one jitted `lax.while_loop`:
 
     state = drafter.init(target, batch, max_len, max_draft)  # host side, before jit
     state = drafter.prefill(state, target, tokens, lengths)  # after the target's prefill
-    n = drafter.available(state, ctx, k_max)                 # [B] tokens it could draft now
+    avail = drafter.available(state, ctx, k_max)             # tokens it could draft now
     draft, state, caches = drafter.propose(state, target, caches, ctx, k, sampling, key)
     state = drafter.observe(state, target, caches, ctx)      # a step that drafted nothing
 
@@ -18,6 +18,9 @@ receives are already rolled back to n_history - 1.
 
 `Draft.probs` is the distribution each drafted token was sampled from (needed for exact
 rejection sampling); None means the drafter is deterministic (q is one-hot on the token).
+`Availability.bucket` is a confidence class (prompt lookup: the matched n-gram size); the
+adaptive policy learns an acceptance rate per class, because a 3-gram match is accepted
+far more often than a 1-gram one.
 
 Three drafters: `prompt_lookup` (n-gram match in the context, no model), `self_speculative`
 (the target's own first layers or a layer subset, with its shared head), `model_drafter`
@@ -44,6 +47,11 @@ class DraftContext(NamedTuple):
     active: Array  # [B] bool: rows still generating
 
 
+class Availability(NamedTuple):
+    n: Int[Array, "B"]  # tokens the drafter can propose now (0: none)
+    bucket: Int[Array, "B"]  # confidence class in [0, Drafter.n_buckets)
+
+
 class Draft(NamedTuple):
     tokens: Int[Array, "B K"]  # drafted ids; entries >= n[b] are padding
     n: Int[Array, "B"]  # how many drafted tokens of row b are real (<= K)
@@ -54,12 +62,13 @@ class Drafter(NamedTuple):
     name: str
     init: Callable[[Model, int, int, int], Any]
     prefill: Callable[[Any, Model, Array, Array], Any]
-    available: Callable[[Any, DraftContext, int], Array]
+    available: Callable[[Any, DraftContext, int], Availability]
     propose: Callable[..., tuple[Draft, Any, tuple]]
     observe: Callable[[Any, Model, tuple, DraftContext], Any]
     # True when `propose` costs target-model compute per drafted token (the adaptive
     # policy then also weighs drafting cost); False for free drafters like prompt lookup.
     uses_model: bool = False
+    n_buckets: int = 1  # confidence classes `available` may report
 
 
 def _no_state(target, batch, max_len, max_draft):
@@ -97,15 +106,19 @@ def ngram_match(history: Int[Array, "B S"], n_history: Int[Array, "B"],
 
 
 def lookup_continuation(history, n_history, ngram_sizes: Sequence[int]):
-    """(n_avail [B], cont [B]): continuation of the longest matching n-gram (tried in order)."""
+    """(n_avail [B], cont [B], which [B]): continuation of the first matching n-gram size
+    in `ngram_sizes` (tried in order; `which` is its index there, 0 when none matched)."""
     found = jnp.zeros(n_history.shape, bool)
     cont = jnp.zeros(n_history.shape, jnp.int32)
-    for n in ngram_sizes:
+    which = jnp.zeros(n_history.shape, jnp.int32)
+    for i, n in enumerate(ngram_sizes):
         f, c = ngram_match(history, n_history, n)
-        cont = jnp.where(found, cont, c)
+        new = f & ~found
+        cont = jnp.where(new, c, cont)
+        which = jnp.where(new, i, which)
         found = found | f
     n_avail = jnp.where(found, n_history - cont, 0)
-    return n_avail.astype(jnp.int32), cont
+    return n_avail.astype(jnp.int32), cont, which
 
 
 @functools.lru_cache(maxsize=None)  # equal settings -> the same object -> no re-jit
@@ -122,12 +135,12 @@ def prompt_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Drafter:
 
     def available(state, ctx, k_max):
         del state
-        n_avail, _ = lookup_continuation(ctx.history, ctx.n_history, sizes)
-        return jnp.where(ctx.active, jnp.minimum(n_avail, k_max), 0)
+        n_avail, _, which = lookup_continuation(ctx.history, ctx.n_history, sizes)
+        return Availability(jnp.where(ctx.active, jnp.minimum(n_avail, k_max), 0), which)
 
     def propose(state, target, caches, ctx, k, sampling, key):
         del target, sampling, key
-        n_avail, cont = lookup_continuation(ctx.history, ctx.n_history, sizes)
+        n_avail, cont, _ = lookup_continuation(ctx.history, ctx.n_history, sizes)
         idx = jnp.clip(cont[:, None] + jnp.arange(k)[None, :], 0, ctx.history.shape[1] - 1)
         tokens = jnp.take_along_axis(ctx.history, idx, axis=1)
         n = jnp.where(ctx.active, jnp.minimum(n_avail, k), 0)
@@ -136,7 +149,7 @@ def prompt_lookup(max_ngram: int = 3, min_ngram: int = 1) -> Drafter:
 
     return Drafter(name=f"prompt_lookup(n={max_ngram}..{min_ngram})", init=_no_state,
                    prefill=_keep_state, available=available, propose=propose,
-                   observe=_keep_state, uses_model=False)
+                   observe=_keep_state, uses_model=False, n_buckets=len(sizes))
 
 
 # ------------------------------------------------------------------- autoregressive drafting
@@ -208,7 +221,7 @@ def self_speculative(layers: tuple[int, ...], min_confidence: float = 0.0,
 
     def available(state, ctx, k_max):
         del state
-        return jnp.where(ctx.active, k_max, 0).astype(jnp.int32)
+        return _always(ctx, k_max)
 
     def propose(state, target, caches, ctx, k, sampling, key):
         sub = layer_subset.layer_subset_model(target, ids)
@@ -237,6 +250,12 @@ def early_exit(n_layers: int, min_confidence: float = 0.0) -> Drafter:
         raise ValueError(f"n_layers must be >= 1, got {n_layers}")
     return self_speculative(tuple(range(n_layers)), min_confidence,
                             name=f"early_exit({n_layers})")
+
+
+def _always(ctx: DraftContext, k_max: int) -> Availability:
+    """A model drafter can always draft k_max tokens (one confidence class)."""
+    n = jnp.where(ctx.active, k_max, 0).astype(jnp.int32)
+    return Availability(n, jnp.zeros_like(n))
 
 
 def _describe_layers(ids: Sequence[int]) -> str:
@@ -274,7 +293,7 @@ def model_drafter(draft_model: Model, min_confidence: float = 0.0,
 
     def available(state, ctx, k_max):
         del state
-        return jnp.where(ctx.active, k_max, 0).astype(jnp.int32)
+        return _always(ctx, k_max)
 
     def propose(state, target, caches, ctx, k, sampling, key):
         del target

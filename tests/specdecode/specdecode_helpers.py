@@ -27,7 +27,7 @@ def perturbed(model, noise: float, seed: int = 1):
     return model.replace(params=jax.tree.unflatten(tree, leaves))
 
 
-def chisquare_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+def counts_chisquare_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     """Pearson chi-square p-value of `counts` against `probs`; cells expected below
     `min_expected` are pooled into one (the test's asymptotics need it)."""
     counts = np.asarray(counts, np.float64).ravel()

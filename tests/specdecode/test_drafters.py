@@ -32,10 +32,10 @@ def test_ngram_match_finds_latest_earlier_occurrence():
 def test_lookup_prefers_longer_ngrams_and_clips_to_known_tokens():
     # 1-gram [3] last occurred at 5 (-> 4); the 2-gram [2, 3] at 1..2 (-> 7, 3)
     ctx = _ctx([[1, 2, 3, 7, 3, 3, 4, 2, 3]])
-    n_avail, cont = lookup_continuation(ctx.history, ctx.n_history, (2, 1))
-    assert int(cont[0]) == 3 and int(n_avail[0]) == 6
-    n_avail, cont = lookup_continuation(ctx.history, ctx.n_history, (1,))
-    assert int(cont[0]) == 6 and int(n_avail[0]) == 3
+    n_avail, cont, which = lookup_continuation(ctx.history, ctx.n_history, (2, 1))
+    assert int(cont[0]) == 3 and int(n_avail[0]) == 6 and int(which[0]) == 0
+    n_avail, cont, which = lookup_continuation(ctx.history, ctx.n_history, (3, 1))
+    assert int(cont[0]) == 6 and int(n_avail[0]) == 3 and int(which[0]) == 1
 
 
 def test_prompt_lookup_propose_is_deterministic_copy():
@@ -43,13 +43,14 @@ def test_prompt_lookup_propose_is_deterministic_copy():
     assert d is prompt_lookup(max_ngram=2, min_ngram=1)  # cached: no re-jit per call
     ctx = _ctx([[10, 11, 12, 13, 14, 10, 11], [1, 2, 3]])
     ctx = ctx._replace(active=jnp.array([True, True]))
-    assert d.available((), ctx, 8).tolist() == [5, 0]
+    avail = d.available((), ctx, 8)
+    assert avail.n.tolist() == [5, 0] and avail.bucket.tolist()[0] == 0  # a 2-gram match
     draft, _, _ = d.propose((), None, (), ctx, 3, SamplingConfig(), jax.random.key(0))
     assert draft.probs is None
     assert draft.n.tolist() == [3, 0]
     assert draft.tokens.tolist() == [[12, 13, 14], [0, 0, 0]]
     inactive = ctx._replace(active=jnp.array([False, True]))
-    assert d.available((), inactive, 8).tolist() == [0, 0]
+    assert d.available((), inactive, 8).n.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("bad", [dict(max_ngram=0, min_ngram=0), dict(max_ngram=1,

@@ -1,16 +1,14 @@
 """End to end: greedy == plain greedy token for token; sampled output has the target's
 distribution (exact enumeration on a small-vocabulary model); batching, stops, budget."""
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from research.model import forward
 from research.serving.generate import generate
-from research.serving.sampling import SamplingConfig, token_probs
+from research.serving.sampling import SamplingConfig
 from research.specdecode import (DraftLengthPolicy, early_exit, model_drafter, prompt_lookup,
                                  speculative_generate)
-from specdecode_helpers import chaotic_model, chisquare_pvalue, perturbed
+from research.specdecode.distribution import chisquare_pvalue, exact_sequence_law
+from specdecode_helpers import chaotic_model, perturbed
 
 # few branches keep compile time down; 3 exercises a draft longer than some rows' lookups
 SMALL = DraftLengthPolicy(draft_lengths=(0, 1, 3))
@@ -81,28 +79,6 @@ VOCAB = 6
 N_SAMPLES = 40_000
 
 
-def _exact_joint(model, prompt, sampling, n_tokens):
-    """P(t_1..t_n | prompt) by enumerating every continuation (cache-free forwards)."""
-    joint = np.ones((1,), np.float64)
-    seqs = np.asarray([prompt], np.int32)
-    for _ in range(n_tokens):
-        logits = forward(model, jnp.asarray(seqs)).logits[:, -1]
-        p = np.asarray(token_probs(logits, sampling), np.float64)  # [n_seqs, V]
-        joint = (joint[:, None] * p).reshape(-1)
-        seqs = np.concatenate([np.repeat(seqs, VOCAB, axis=0),
-                               np.tile(np.arange(VOCAB), len(seqs))[:, None]], axis=1)
-    return joint
-
-
-def _sampled_joint(model, prompt, drafter, sampling, n_tokens, policy):
-    out = speculative_generate(model, [prompt] * N_SAMPLES, drafter=drafter,
-                               max_new_tokens=n_tokens + 2, key=jax.random.key(7),
-                               sampling=sampling, policy=policy)
-    first = np.asarray([t[:n_tokens] for t in out.tokens])
-    codes = np.ravel_multi_index(first.T, (VOCAB,) * n_tokens)
-    return np.bincount(codes, minlength=VOCAB ** n_tokens), out.stats
-
-
 @pytest.mark.parametrize("which,sampling", [
     ("close", SamplingConfig(temperature=1.0)),
     ("lookup", SamplingConfig(temperature=1.0, top_k=4, top_p=0.95)),
@@ -112,14 +88,16 @@ def test_sampling_distribution_is_the_targets(which, sampling):
     third come from one verify step with 2 drafts (accept / resample / bonus paths)."""
     model = chaotic_model(scale=1.5, embed_scale=0.1, vocab_size=VOCAB)  # spread-out p
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # repetitive: prompt lookup drafts 3, 4, ...
-    drafter = (model_drafter(perturbed(model, 0.4), name="noisy") if which == "close"
-               else prompt_lookup())
-    policy = DraftLengthPolicy(draft_lengths=(0, 2), adaptive=False)
-    exact = _exact_joint(model, prompt, sampling, 3)
-    counts, st = _sampled_joint(model, prompt, drafter, sampling, 3, policy)
+    draft_model = perturbed(model, 0.4)
+    drafter = model_drafter(draft_model, name="noisy") if which == "close" else prompt_lookup()
+    out = speculative_generate(model, [prompt] * N_SAMPLES, drafter=drafter,
+                               max_new_tokens=5, key=jax.random.key(7), sampling=sampling,
+                               policy=DraftLengthPolicy(draft_lengths=(0, 2), adaptive=False))
+    st = out.stats
     assert st.branch_counts[2] >= 1 and 0.05 < st.acceptance_rate < 0.95
-    assert chisquare_pvalue(counts, exact) > 1e-3
+    samples = [t[:3] for t in out.tokens]
+    assert chisquare_pvalue(samples, exact_sequence_law(model, prompt, sampling, 3)) > 1e-3
     # power check: the same test flags the draft model's own law (which == "close")
     if which == "close":
-        draft_law = _exact_joint(perturbed(model, 0.4), prompt, sampling, 3)
-        assert chisquare_pvalue(counts, draft_law) < 1e-6
+        draft_law = exact_sequence_law(draft_model, prompt, sampling, 3)
+        assert chisquare_pvalue(samples, draft_law) < 1e-6
