@@ -27,14 +27,14 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.n_repetitive = 2 if small else 4  # prompts from experiments/specdecode/prompts.py
     c.n_free_form = 2 if small else 6
     # a third repetitive / free-form pair only in `full`: see prompts.py
-    c.repeats = 3 if small else 5  # timed runs per (prompt, variant), interleaved
+    c.repeats = 5 if small else 7  # timed rounds per prompt, variants interleaved
     c.draft_lengths = (0, 1, 2, 4, 8)
     c.fixed_draft = 8  # the non-adaptive baseline drafts this many whenever it can
     c.max_ngram = 3
     c.cost_repeats = 5 if small else 9
     c.early_exit_layers = 20  # self-speculative drafter: first L of 30 layers
     c.early_exit_draft_lengths = (0, 2) if small else (0, 1, 2, 4)
-    c.early_exit_prompts = 1 if small else 2  # per category
+    c.early_exit_prompts = 1 if small else 2  # first prompts of each category
     c.batch_rows = 0 if small else 4  # batched run mixing both categories (0: skip)
     c.stat_test = ml_collections.ConfigDict(dict(
         tiny_samples=20_000 if small else 100_000,  # small-vocabulary exact check

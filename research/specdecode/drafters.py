@@ -166,10 +166,12 @@ def _draft_tokens(step_fn, first_logits, ctx: DraftContext, k: int, sampling: Sa
     keep_probs = not sampling.greedy
 
     def pick(logits, i):
-        q = token_probs(logits, sampling)  # [B, V], the exact distribution sampled from
         tok = sample(logits, jax.random.fold_in(key, i), sampling)
-        conf = jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), -1),
-                                   tok[:, None], axis=1)[:, 0]
+        q = token_probs(logits, sampling) if keep_probs else None  # what tok was drawn from
+        conf = None
+        if min_confidence > 0:
+            conf = jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), -1),
+                                       tok[:, None], axis=1)[:, 0]
         return tok, q, conf
 
     tokens = jnp.zeros((b, k), jnp.int32)
@@ -282,7 +284,7 @@ def model_drafter(draft_model: Model, min_confidence: float = 0.0,
                              f"{draft_model.config.vocab_size} != "
                              f"{target.config.vocab_size}")
         dm = rollback.with_rollback_slack(draft_model, max_draft)
-        rollback.check_rollback(dm, max_draft)
+        rollback.check_rollback_cached(dm, max_draft)
         return {"model": dm, "caches": dm.init_cache(batch, max_len)}
 
     def prefill(state, target, tokens, lengths):

@@ -30,7 +30,8 @@ from research.serving.generate import PAD_BUCKET, pad_prompts, prefill, round_up
 from research.serving.sampling import SamplingConfig, sample, token_probs
 from research.specdecode import policy as pol
 from research.specdecode.drafters import Draft, DraftContext, Drafter
-from research.specdecode.rollback import check_rollback, truncate_states, with_rollback_slack
+from research.specdecode.rollback import (check_rollback_cached, truncate_states,
+                                          with_rollback_slack)
 from research.specdecode.verify import verify_drafts
 
 
@@ -202,21 +203,6 @@ def _spec_loop(target: Model, drafter_state, first_logits, history, lengths, cac
     return jax.lax.while_loop(cond, body, c0)
 
 
-_ROLLBACK_CHECKED: set = set()
-
-
-def _check_rollback_once(model: Model, max_draft: int) -> None:
-    try:
-        sig = (model.config, model.caches, max_draft)
-        hash(sig)
-    except TypeError:  # caches with array leaves: check every time
-        check_rollback(model, max_draft)
-        return
-    if sig not in _ROLLBACK_CHECKED:
-        check_rollback(model, max_draft)
-        _ROLLBACK_CHECKED.add(sig)
-
-
 def speculative_generate(model: Model, prompts: Sequence[Sequence[int]], *, drafter: Drafter,
                          max_new_tokens: int, key: jax.Array | None = None,
                          sampling: SamplingConfig = SamplingConfig(),
@@ -242,7 +228,7 @@ def speculative_generate(model: Model, prompts: Sequence[Sequence[int]], *, draf
             raise ValueError("sampling with temperature > 0 needs an explicit PRNG `key`")
         key = jax.random.key(0)
     model = with_rollback_slack(model, policy.max_draft)
-    _check_rollback_once(model, policy.max_draft)
+    check_rollback_cached(model, policy.max_draft)
     tokens, lengths = pad_prompts(prompts, model.config.vocab_size)
     needed = int(lengths.max()) + max_new_tokens
     max_len = max_len or max(round_up(needed, PAD_BUCKET), tokens.shape[1])

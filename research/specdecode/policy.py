@@ -40,8 +40,8 @@ class DraftLengthPolicy:
     costs: tuple[float, ...] | None = None
     adaptive: bool = True
     prior_accept: float = 0.5
-    prior_strength: float = 2.0
-    decay: float = 0.8
+    prior_strength: float = 1.0
+    decay: float = 0.9
     forget: float = 0.98
 
     def __post_init__(self):

@@ -130,3 +130,19 @@ def check_rollback(model: Model, max_draft: int, *, atol: float = 1e-5) -> None:
             checked[sig] = True
         except TypeError:
             pass
+
+
+_CHECKED: set = set()
+
+
+def check_rollback_cached(model: Model, max_draft: int) -> None:
+    """`check_rollback`, once per (config, caches, max_draft) when the caches are hashable."""
+    try:
+        sig = (model.config, model.caches, max_draft)
+        hash(sig)
+    except TypeError:  # caches with array leaves (e.g. calibrated codebooks): every time
+        check_rollback(model, max_draft)
+        return
+    if sig not in _CHECKED:
+        check_rollback(model, max_draft)
+        _CHECKED.add(sig)

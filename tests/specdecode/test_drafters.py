@@ -10,6 +10,15 @@ from research.specdecode import (DraftContext, early_exit, layer_subset_model, m
                                  prompt_lookup, self_speculative)
 from research.specdecode.drafters import lookup_continuation, ngram_match
 
+# jitted entry points: eager op-by-op dispatch of a forward is much slower than a compile
+_logits = jax.jit(lambda model, tokens: forward(model, tokens).logits)
+_prefill = jax.jit(lambda model, tokens, states: forward(model, tokens,
+                                                         cache_states=states).cache_states)
+
+
+def _propose(drafter, *args):
+    return jax.jit(drafter.propose, static_argnums=(4, 5))(*args)
+
 
 def _ctx(rows, width=24):
     hist = np.zeros((len(rows), width), np.int32)
@@ -62,13 +71,13 @@ def test_prompt_lookup_rejects_bad_sizes(bad):
 
 def test_layer_subset_model(tiny):
     tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, 97)
-    full = forward(tiny, tokens).logits
-    same = forward(layer_subset_model(tiny, (0, 1)), tokens).logits
+    full = _logits(tiny, tokens)
+    same = _logits(layer_subset_model(tiny, (0, 1)), tokens)
     np.testing.assert_allclose(same, full, rtol=1e-6, atol=1e-6)
     # early exit after layer 0 == a 1-layer model holding layer 0 and the shared head
     one = make_model(tiny_config(n_layers=1), {**tiny.params, "layers": tiny.params["layers"][:1]})
-    np.testing.assert_allclose(forward(layer_subset_model(tiny, (0,)), tokens).logits,
-                               forward(one, tokens).logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_logits(layer_subset_model(tiny, (0,)), tokens),
+                               _logits(one, tokens), rtol=1e-6, atol=1e-6)
     for bad in [(), (2,), (1, 0), (0, 0)]:
         with pytest.raises(ValueError, match="layers"):
             layer_subset_model(tiny, bad)
@@ -84,7 +93,7 @@ def test_layer_subset_keeps_moe_and_window_kinds():
     assert sub.config.layer_kinds == tuple(config.layer_kinds[i] for i in (0, 1, 3))
     dense_only = layer_subset_model(model, (0, 2))
     assert dense_only.config.moe is None and dense_only.config.moe_layers is None
-    forward(sub, jnp.zeros((1, 5), jnp.int32))  # runs
+    assert _logits(sub, jnp.zeros((1, 5), jnp.int32)).shape == (1, 5, 97)
 
 
 def test_self_speculative_drafts_what_its_subnetwork_predicts(tiny):
@@ -92,32 +101,30 @@ def test_self_speculative_drafts_what_its_subnetwork_predicts(tiny):
     is written only at positions >= the pending token."""
     d = early_exit(1)
     prompt = jnp.asarray([[5, 6, 7, 8, 9]], jnp.int32)
-    states = tiny.init_cache(1, 16)
-    out = forward(tiny, prompt[:, :4], cache_states=states)
+    states = _prefill(tiny, prompt[:, :4], tiny.init_cache(1, 16))
     ctx = _ctx([[5, 6, 7, 8, 9]], width=16)
-    draft, _, new_states = d.propose((), tiny, out.cache_states, ctx, 3, SamplingConfig(),
-                                     jax.random.key(0))
+    draft, _, new_states = _propose(d, (), tiny, states, ctx, 3, SamplingConfig(),
+                                    jax.random.key(0))
     sub = layer_subset_model(tiny, (0,))
-    seq = [5, 6, 7, 8, 9]
-    for _ in range(3):  # reference: cache-free greedy decoding of the 1-layer network
-        seq.append(int(jnp.argmax(forward(sub, jnp.asarray([seq])).logits[0, -1])))
+    seq = [5, 6, 7, 8, 9, 0, 0, 0]
+    for i in range(3):  # reference: cache-free greedy decoding of the 1-layer network
+        seq[5 + i] = int(jnp.argmax(_logits(sub, jnp.asarray([seq]))[0, 4 + i]))
     assert draft.tokens[0].tolist() == seq[5:]
     assert draft.n.tolist() == [3]
-    for old, new in zip(out.cache_states, new_states):
+    for old, new in zip(states, new_states):
         np.testing.assert_array_equal(old["k"][:, :4], new["k"][:, :4])
 
 
 def test_self_speculative_sampling_returns_probs_and_confidence_cut(tiny):
     ctx = _ctx([[5, 6, 7, 8, 9]], width=16)
-    states = forward(tiny, jnp.asarray([[5, 6, 7, 8]]), cache_states=tiny.init_cache(1, 16)
-                     ).cache_states
-    sampled, _, _ = self_speculative((0,)).propose(
-        (), tiny, states, ctx, 2, SamplingConfig(temperature=1.0), jax.random.key(0))
+    states = _prefill(tiny, jnp.asarray([[5, 6, 7, 8]]), tiny.init_cache(1, 16))
+    sampled, _, _ = _propose(self_speculative((0,)), (), tiny, states, ctx, 2,
+                             SamplingConfig(temperature=1.0), jax.random.key(0))
     assert sampled.probs.shape == (1, 2, 97)
     np.testing.assert_allclose(sampled.probs.sum(-1), 1.0, rtol=1e-5)
     # a random tiny model is never 99% sure: drafting stops before the first token
-    cut, _, _ = early_exit(1, min_confidence=0.99).propose(
-        (), tiny, states, ctx, 2, SamplingConfig(), jax.random.key(0))
+    cut, _, _ = _propose(early_exit(1, min_confidence=0.99), (), tiny, states, ctx, 2,
+                         SamplingConfig(), jax.random.key(0))
     assert cut.n.tolist() == [0]
     with pytest.raises(ValueError, match="min_confidence"):
         early_exit(1, min_confidence=1.0)
@@ -130,11 +137,12 @@ def test_model_drafter_keeps_its_cache_in_sync(tiny):
     d = model_drafter(small)
     seq = [3, 1, 4, 1, 5, 9]
     state = d.init(tiny, 1, 32, 2)
-    state = d.prefill(state, tiny, jnp.asarray([seq[:4]]), jnp.asarray([4]))
+    state = jax.jit(d.prefill)(state, tiny, jnp.asarray([seq[:4]]), jnp.asarray([4]))
     propose = jax.jit(d.propose, static_argnums=(4, 5))
+    observe = jax.jit(d.observe)
     # history grows 4 -> 5 (a step without drafting) -> 6 (1 draft rejected) -> 9 (2
     # drafts accepted + bonus token) -> 10 (0 accepted) -> 11 (k = 0 again)
-    state = d.observe(state, tiny, (), _ctx([seq[:5]], 32))
+    state = observe(state, tiny, (), _ctx([seq[:5]], 32))
     draft, state, _ = propose(state, tiny, (), _ctx([seq[:5]], 32), 2, SamplingConfig(),
                               jax.random.key(0))
     draft, state, _ = propose(state, tiny, (), _ctx([seq[:6]], 32), 2, SamplingConfig(),
@@ -143,12 +151,12 @@ def test_model_drafter_keeps_its_cache_in_sync(tiny):
     draft, state, _ = propose(state, tiny, (), _ctx([seq], 32), 2, SamplingConfig(),
                               jax.random.key(0))
     seq = seq + [8]
-    state = d.observe(state, tiny, (), _ctx([seq], 32))
+    state = observe(state, tiny, (), _ctx([seq], 32))
     seq = seq + [2]
     draft, state, _ = propose(state, tiny, (), _ctx([seq], 32), 2, SamplingConfig(),
                               jax.random.key(0))
     n = len(seq)  # the draft cache must hold exactly the committed history (pending incl.)
-    ref = forward(small, jnp.asarray([seq]), cache_states=small.init_cache(1, 32)).cache_states
+    ref = _prefill(small, jnp.asarray([seq]), small.init_cache(1, 32))
     np.testing.assert_allclose(state["caches"][0]["k"][:, :n], ref[0]["k"][:, :n],
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="vocab"):

@@ -43,12 +43,12 @@ def test_greedy_with_stop_tokens_and_sliding_window(prompts):
     """Stops inside an accepted run end the row there; ring caches get rollback slack."""
     config_model = chaotic_model(n_layers=2, layer_kinds=("sliding", "global"),
                                  sliding_window=8)
-    ref = generate(config_model, prompts, max_new_tokens=30)
+    ref = generate(config_model, prompts, max_new_tokens=20)
     # stop on a token that the first row emits mid-way
-    stop = ref.tokens[0][12]
-    ref = generate(config_model, prompts, max_new_tokens=30, stop_tokens=(stop,))
+    stop = ref.tokens[0][10]
+    ref = generate(config_model, prompts, max_new_tokens=20, stop_tokens=(stop,))
     out = speculative_generate(config_model, prompts, drafter=model_drafter(
-        perturbed(config_model, 0.1)), max_new_tokens=30, stop_tokens=(stop,), policy=FIXED)
+        perturbed(config_model, 0.1)), max_new_tokens=20, stop_tokens=(stop,), policy=FIXED)
     assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons
     assert "stop" in out.finish_reasons
 
@@ -76,21 +76,21 @@ def test_budget_of_one_token_and_input_errors(chaotic, prompts):
 
 # ------------------------------------------------------------ exact sampling distribution
 VOCAB = 6
-N_SAMPLES = 40_000
 
 
-@pytest.mark.parametrize("which,sampling", [
-    ("close", SamplingConfig(temperature=1.0)),
-    ("lookup", SamplingConfig(temperature=1.0, top_k=4, top_p=0.95)),
+@pytest.mark.parametrize("which,sampling,n_samples", [
+    # slow: a separate draft model compiles more; test_verify covers non-one-hot q fast
+    pytest.param("close", SamplingConfig(temperature=1.0), 40_000, marks=pytest.mark.slow),
+    ("lookup", SamplingConfig(temperature=1.0, top_k=4, top_p=0.95), 20_000),
 ])
-def test_sampling_distribution_is_the_targets(which, sampling):
+def test_sampling_distribution_is_the_targets(which, sampling, n_samples):
     """Joint law of the first 3 tokens == exact target law (chi-square); the second and
     third come from one verify step with 2 drafts (accept / resample / bonus paths)."""
     model = chaotic_model(scale=1.5, embed_scale=0.1, vocab_size=VOCAB)  # spread-out p
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # repetitive: prompt lookup drafts 3, 4, ...
     draft_model = perturbed(model, 0.4)
     drafter = model_drafter(draft_model, name="noisy") if which == "close" else prompt_lookup()
-    out = speculative_generate(model, [prompt] * N_SAMPLES, drafter=drafter,
+    out = speculative_generate(model, [prompt] * n_samples, drafter=drafter,
                                max_new_tokens=5, key=jax.random.key(7), sampling=sampling,
                                policy=DraftLengthPolicy(draft_lengths=(0, 2), adaptive=False))
     st = out.stats

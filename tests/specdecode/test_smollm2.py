@@ -18,12 +18,12 @@ def test_prompt_lookup_greedy_matches_plain_on_smollm2(smollm2):
     model, tok = smollm2
     ids = _ids(tok, ["Repeat the following text exactly:\n\n" + TEXT, "Why is the sky blue?"])
     stops = default_stop_tokens(tok)
-    ref = generate(model, ids, max_new_tokens=24, stop_tokens=stops)
-    out = speculative_generate(model, ids, drafter=prompt_lookup(), max_new_tokens=24,
+    ref = generate(model, ids, max_new_tokens=16, stop_tokens=stops)
+    out = speculative_generate(model, ids, drafter=prompt_lookup(), max_new_tokens=16,
                                stop_tokens=stops, policy=DraftLengthPolicy(draft_lengths=(0, 4)))
     assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons
     accepted = out.stats.accepted
-    assert accepted[0] > 10  # the repeating row copies from its prompt
+    assert accepted[0] > 8  # the repeating row copies from its prompt
     assert accepted[0] > accepted[1]
 
 
