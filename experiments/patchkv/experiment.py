@@ -232,7 +232,7 @@ def claims(rows, config, flops):
             continue
         closed = gap_closed(rows, name, budget)
         out.append(common.claim(f"{name}@{budget:.0%}: PatchKV closes the continuation "
-                                "ppl gap", ">= 50%", f"{closed:.0%}",
+                                "ppl gap", ">= 50%", f"{closed:.1%}",
                                 bool(closed >= 0.5)))
         none = get[(name, budget, "none")].get("retrieval_acc")
         fixed = get[(name, budget, "patchkv")].get("retrieval_acc")

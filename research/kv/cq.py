@@ -10,6 +10,9 @@ materialises dense K/V; it is a quality baseline, not a fast path.
 
 The cache receives post-RoPE keys from the model, so it un-rotates them (RoPE by -position,
 exact up to float rounding) before encoding. `rope_theta` must be the model's.
+
+Optional channel permutations ([Hkv, D], groups = runs of the permuted channels) make the
+same codec serve TaSQ's pre-RoPE key space (covariance-aware grouping); CQ uses none.
 """
 from __future__ import annotations
 
@@ -17,11 +20,11 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from kernels_pallas.vq_attention.reference import dequantize
-from research.kv.base import KVCache, write_positions
-from research.kv.vq import encode, scatter_codes
 from research.core.attention import attend
-from research.core.rope import apply_rope
 from research.core.pytree import pytree_dataclass, static_field
+from research.core.rope import apply_rope
+from research.kv.base import KVCache, write_positions
+from research.kv.vq import encode, inverse_permutation, permute_channels, scatter_codes
 
 
 @pytree_dataclass
@@ -29,6 +32,9 @@ class CQKVCache(KVCache):
     key_codebook: Array    # [Hkv, G, K, g] over pre-RoPE keys
     value_codebook: Array  # [Hkv, G, K, g]
     rope_theta: float = static_field(default=10000.0)
+    key_perm: Array | None = None    # [Hkv, D] int32: channel order of the key groups
+    value_perm: Array | None = None  # [Hkv, D]
+    label: str = static_field(default="cq")
 
     def init(self, batch, max_len, n_kv_heads, head_dim):
         for name, cb in (("key_codebook", self.key_codebook),
@@ -45,17 +51,27 @@ class CQKVCache(KVCache):
         q_pos = start[:, None] + jnp.arange(t)[None, :]
         k_pre = apply_rope(k.astype(jnp.float32), -q_pos, self.rope_theta)
         slots = write_positions(start, n_new, t, s)
-        state = {"k_codes": scatter_codes(state["k_codes"], slots,
-                                          encode(k_pre, self.key_codebook)),
-                 "v_codes": scatter_codes(state["v_codes"], slots,
-                                          encode(v, self.value_codebook))}
+        k_codes = encode(self._permute(k_pre, self.key_perm), self.key_codebook)
+        v_codes = encode(self._permute(v, self.value_perm), self.value_codebook)
+        state = {"k_codes": scatter_codes(state["k_codes"], slots, k_codes),
+                 "v_codes": scatter_codes(state["v_codes"], slots, v_codes)}
         kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-        keys = apply_rope(dequantize(state["k_codes"], self.key_codebook), kv_pos,
-                          self.rope_theta)
-        vals = dequantize(state["v_codes"], self.value_codebook)
+        k_dec = self._unpermute(dequantize(state["k_codes"], self.key_codebook), self.key_perm)
+        keys = apply_rope(k_dec, kv_pos, self.rope_theta)
+        vals = self._unpermute(dequantize(state["v_codes"], self.value_codebook),
+                               self.value_perm)
         out = attend(q, keys, vals, q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
         return out, state
 
+    @staticmethod
+    def _permute(x, perm):
+        return x if perm is None else permute_channels(x, perm)
+
+    @staticmethod
+    def _unpermute(x, perm):
+        return x if perm is None else permute_channels(x, inverse_permutation(perm))
+
     def describe(self):
         hc, g, k, gs = self.key_codebook.shape
-        return f"cq[pre-RoPE keys, {g}x{gs}ch adjacent groups, {k} centroids]"
+        groups = "adjacent" if self.key_perm is None else "permuted"
+        return f"{self.label}[pre-RoPE keys, {g}x{gs}ch {groups} groups, {k} centroids]"

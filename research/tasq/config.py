@@ -25,6 +25,11 @@ class TaSQConfig:
       differ too much), and per-head f32 codebooks cost 11.3 MiB for all of SmolLM2 (fixed,
       not per token: 0.07% of a 16 GiB budget). With
       per-head codebooks head_normalization is a no-op (k-means is scale-equivariant).
+    key_space: "post_rope" (default, the fast path) codes keys after RoPE, so one lookup
+      table per query scores every position without rebuilding keys; "pre_rope" codes
+      keys before RoPE (they cluster much better: RoPE spreads each pair over a circle) and
+      rebuilds + rotates them on read (CQ's read path, dense per call), the quality mode.
+      Pre-RoPE grouping may split RoPE pairs: keys are rotated after decoding.
     """
 
     bits: int = 1
@@ -39,6 +44,7 @@ class TaSQConfig:
     seed: int = 0
     implementation: str = "xla"
     interpret: bool = False
+    key_space: str = "post_rope"
 
     def __post_init__(self):
         if self.bits not in (1, 2):
@@ -51,6 +57,12 @@ class TaSQConfig:
                              f"{self.kmeans_iters=}, {self.max_points=}")
         if not 0 < self.min_scale <= 1:
             raise ValueError(f"min_scale must be in (0, 1], got {self.min_scale}")
+        if self.key_space not in ("post_rope", "pre_rope"):
+            raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got "
+                             f"{self.key_space!r}")
+        if self.key_space == "pre_rope" and self.implementation != "xla":
+            raise ValueError("key_space='pre_rope' reads keys densely (dequantise + RoPE); "
+                             "the Pallas code-domain kernel needs key_space='post_rope'")
         if self.implementation not in ("xla", "pallas"):
             raise ValueError(f"implementation must be 'xla' or 'pallas', got "
                              f"{self.implementation!r}")
@@ -68,7 +80,7 @@ class TaSQConfig:
         if head_dim % g:
             raise ValueError(f"group_size={g} (bits={self.bits}) must divide head_dim="
                              f"{head_dim}")
-        if self.channel_grouping and g % 2:
+        if self.channel_grouping and g % 2 and self.key_space == "post_rope":
             raise ValueError(f"channel_grouping keeps RoPE pairs together, so group_size "
                              f"must be even, got {g}")
 

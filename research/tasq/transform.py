@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from research.kv.cq import CQKVCache
 from research.kv.vq import VQKVCache
 from research.model.llama import Model
 from research.core.pytree import pytree_dataclass, static_field
@@ -129,8 +130,12 @@ def calibrate_state(model: Model, data: CalibrationData, config: TaSQConfig,
     problems = []
     for layer, st in enumerate(stats):
         ks, vs = layer_scales(st, model.params["layers"][layer]["wo"], config)
-        kx, vx = st.k * ks[None], st.v * vs[None]
-        kp, vp = _perms(kx, config, True), _perms(vx, config, False)
+        keys = st.k if config.key_space == "post_rope" else st.k_pre  # scales commute w/ RoPE
+        kx, vx = keys * ks[None], st.v * vs[None]
+        # Post-RoPE groups keep rotating pairs together (the pair's angle is per channel);
+        # pre-RoPE codes are rotated after decoding, so any grouping is allowed.
+        kp = _perms(kx, config, is_key=config.key_space == "post_rope")
+        vp = _perms(vx, config, is_key=False)
         out["key_scale"].append(ks)
         out["value_scale"].append(vs)
         out["key_perm"].append(kp)
@@ -161,6 +166,12 @@ def apply_state(model: Model, state: TaSQState, label: str = "tasq") -> Model:
         raise ValueError(f"state has {state.key_codebook.shape[0]} layers, model has "
                          f"{c.n_layers}")
     folded = fold_kv_scales(model, state.key_scale, state.value_scale)
+    if cfg.key_space == "pre_rope":
+        caches = tuple(CQKVCache(state.key_codebook[i], state.value_codebook[i],
+                                 rope_theta=c.rope_theta, key_perm=state.key_perm[i],
+                                 value_perm=state.value_perm[i], label=label)
+                       for i in range(c.n_layers))
+        return folded.replace(caches=caches, tags=model.tags + (label,))
     caches = tuple(
         VQKVCache.create(state.key_codebook[i], state.value_codebook[i], state.key_perm[i],
                          state.value_perm[i], implementation=cfg.implementation,

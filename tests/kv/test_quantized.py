@@ -11,6 +11,7 @@ from research.kv.kivi import KIVIKVCache
 from research.kv.quantized import (Int8KVCache, dequantize_uniform, pack_bits,
                                    quantize_uniform, unpack_bits)
 from research.kv.sign import SignKVCache, gaussian_projection
+from research.kv.vq import permute_channels
 from research.core.rope import apply_rope
 
 B, HQ, HKV, D = 2, 4, 2, 16
@@ -146,3 +147,22 @@ def test_cq_unrotates_keys_and_matches_dense_on_decoded():
     start, n_new = jnp.zeros(B, int), jnp.full((B,), t)
     out, _ = _run(cache, cache.init(B, t, HKV, D), q, k, v, start, n_new)
     np.testing.assert_allclose(out, _dense(q, k, v, start, n_new, t), rtol=1e-4, atol=1e-4)
+
+
+def test_cq_with_channel_permutations_matches_dense_on_decoded():
+    """TaSQ's pre-RoPE mode: groups are runs of permuted channels (pairs may be split)."""
+    t, theta, g = 5, 10000.0, 2
+    q, k, v = _qkv(6, t)
+    pos = jnp.broadcast_to(jnp.arange(t)[None], (B, t))
+    k_pre = apply_rope(k, -pos, theta)
+    rng = np.random.default_rng(0)
+    kp = jnp.asarray(np.stack([rng.permutation(D) for _ in range(HKV)]), jnp.int32)
+    vp = jnp.asarray(np.stack([rng.permutation(D) for _ in range(HKV)]), jnp.int32)
+    book = lambda x, p: permute_channels(x, p).reshape(B * t, HKV, D // g, g).transpose(  # noqa
+        1, 2, 0, 3)
+    cache = CQKVCache(book(k_pre, kp), book(v, vp), rope_theta=theta, key_perm=kp,
+                      value_perm=vp, label="tasq")
+    start, n_new = jnp.zeros(B, int), jnp.full((B,), t)
+    out, _ = _run(cache, cache.init(B, t, HKV, D), q, k, v, start, n_new)
+    np.testing.assert_allclose(out, _dense(q, k, v, start, n_new, t), rtol=1e-4, atol=1e-4)
+    assert cache.describe().startswith("tasq[pre-RoPE keys")

@@ -18,5 +18,6 @@ def test_experiment_lists_every_baseline_and_ablation():
     for needed in ("f32", "bf16", "int8 per-token", "KIVI-2 (fp window)", "plain VQ",
                    "CQ-style (pre-RoPE)", "sign-bit (QJL-like keys)", "TaSQ (1 bit)",
                    "TaSQ - query weighting", "TaSQ - channel grouping",
-                   "TaSQ - head normalization"):
+                   "TaSQ - head normalization", "TaSQ (1 bit, pre-RoPE keys)",
+                   "TaSQ pre-RoPE - query weighting", "TaSQ pre-RoPE - channel grouping"):
         assert needed in names

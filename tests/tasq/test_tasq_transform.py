@@ -79,6 +79,21 @@ def test_tasq_beats_plain_vq_on_attention_error_with_query_weighting(model16, ca
     assert 0 < e_weighted < e_plain < 1.5
 
 
+def test_pre_rope_key_space_codes_unrotated_keys(model16, calib):
+    """key_space='pre_rope': same ingredients, keys coded before RoPE and rotated on read;
+    1 bit per channel and finite, bounded attention error."""
+    from research.kv.cq import CQKVCache
+    cfg = dataclasses.replace(CFG, key_space="pre_rope")
+    m, st = calibrate_and_apply(tasq(cfg), model16, calib)
+    assert all(isinstance(c, CQKVCache) and c.key_perm is not None for c in m.caches)
+    assert bits_per_channel(m, 256) == pytest.approx(1.0)
+    toks = np.random.default_rng(2).integers(0, 97, (2, 48))
+    err = attention_output_error(m, toks)["mean"]
+    assert 0 < err < 1.5
+    with pytest.raises(ValueError, match="pre_rope"):
+        dataclasses.replace(cfg, implementation="pallas")
+
+
 def test_two_bits_uses_four_channel_groups(model16, calib):
     m, st = calibrate_and_apply(tasq(dataclasses.replace(CFG, bits=2)), model16, calib)
     assert st.key_codebook.shape[2:] == (4, 256, 4)
