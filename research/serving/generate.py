@@ -98,14 +98,12 @@ def _decode_loop(model, first_logits, lengths, cache_states, key, *, max_new_tok
     return out, n_out, done, lens, states
 
 
-def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             key: jax.Array | None = None, sampling: SamplingConfig = SamplingConfig(),
-             stop_tokens: Sequence[int] = (), max_len: int | None = None) -> Generation:
-    """Generate continuations of token-id `prompts` (greedy unless `sampling` says otherwise).
+def prepare_prompts(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    key: jax.Array | None, sampling: SamplingConfig, max_len: int | None):
+    """Validate a generation request: (key, padded tokens, lengths, cache max_len).
 
-    max_len: cache length per sequence; default = longest prompt + max_new_tokens rounded
-    up. A prompt that does not fit (prompt + max_new_tokens > max_len) is an error.
-    """
+    Greedy decoding may omit `key`; sampling must pass one. The cache must hold every
+    prompt plus max_new_tokens, within the model's max_position."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if key is None:
@@ -121,8 +119,19 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if needed > model.config.max_position:
         raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's "
                          f"max_position={model.config.max_position}")
-    if tokens.shape[1] > max_len:
-        tokens = tokens[:, :max_len]  # only padding is cut: every prompt fits (checked)
+    return key, tokens[:, :max_len], lengths, max_len  # only padding is cut (checked)
+
+
+def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             key: jax.Array | None = None, sampling: SamplingConfig = SamplingConfig(),
+             stop_tokens: Sequence[int] = (), max_len: int | None = None) -> Generation:
+    """Generate continuations of token-id `prompts` (greedy unless `sampling` says otherwise).
+
+    max_len: cache length per sequence; default = longest prompt + max_new_tokens rounded
+    up. A prompt that does not fit (prompt + max_new_tokens > max_len) is an error.
+    """
+    key, tokens, lengths, max_len = prepare_prompts(model, prompts, max_new_tokens, key,
+                                                    sampling, max_len)
     states = model.init_cache(len(prompts), max_len)
     logits, states = prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), states)
     out, n_out, done, _, _ = _decode_loop(

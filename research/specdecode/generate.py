@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.model.llama import Model, forward
-from research.serving.generate import PAD_BUCKET, pad_prompts, prefill, round_up
+from research.serving.generate import prefill, prepare_prompts
 from research.serving.sampling import SamplingConfig, sample, token_probs
 from research.specdecode import policy as pol
 from research.specdecode.drafters import Draft, DraftContext, Drafter
@@ -221,24 +221,10 @@ def speculative_generate(model: Model, prompts: Sequence[Sequence[int]], *, draf
         raise TypeError(f"drafter must be a specdecode Drafter, got {type(drafter).__name__}")
     if not isinstance(policy, pol.DraftLengthPolicy):
         raise TypeError(f"policy must be a DraftLengthPolicy, got {type(policy).__name__}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if key is None:
-        if not sampling.greedy:
-            raise ValueError("sampling with temperature > 0 needs an explicit PRNG `key`")
-        key = jax.random.key(0)
+    key, tokens, lengths, max_len = prepare_prompts(model, prompts, max_new_tokens, key,
+                                                    sampling, max_len)
     model = with_rollback_slack(model, policy.max_draft)
     check_rollback_cached(model, policy.max_draft)
-    tokens, lengths = pad_prompts(prompts, model.config.vocab_size)
-    needed = int(lengths.max()) + max_new_tokens
-    max_len = max_len or max(round_up(needed, PAD_BUCKET), tokens.shape[1])
-    if needed > max_len:
-        raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens="
-                         f"{max_new_tokens} exceeds the cache max_len={max_len}")
-    if needed > model.config.max_position:
-        raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the model's "
-                         f"max_position={model.config.max_position}")
-    tokens = tokens[:, :max_len]  # only padding is cut: every prompt fits (checked)
     b = len(prompts)
     states = model.init_cache(b, max_len)
     dstate = drafter.init(model, b, max_len, policy.max_draft)
