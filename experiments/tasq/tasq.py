@@ -1,14 +1,16 @@
 r"""TaSQ vs the 1-bit (and 2/8-bit) KV-cache alternatives on SmolLM2-135M-Instruct.
 
 Command:   python -m experiments.run --config=experiments/tasq/tasq.py:small
-Hardware:  small = CPU, ~10 minutes on 2 cores (4k calibration tokens, 8 perplexity
-           windows of 256); full = CPU/GPU, ~1 hour (32k calibration tokens, 64 windows).
+Hardware:  small = CPU, ~15 minutes on 2 idle cores (4k calibration tokens, 8 perplexity
+           windows of 256); full = CPU/GPU, ~1.5 hours (32k calibration tokens, 64 windows).
 Expected:  one table over held-out text with every codec and the TaSQ ablation: bits per
            channel from the real cache arrays (1.0 for TaSQ), max batch at a fixed budget
            vs bf16 (~16x at 1 bit), perplexity and attention-output error; 1-bit codecs
-           lose a lot of perplexity on a 135M model (see results/tasq_small/table.md);
-           decode attention over 1-bit codes several times faster than the bf16 path at
-           32k context on CPU XLA (same process, medians after warm-up).
+           lose a lot of perplexity on a 135M model; TaSQ with pre-RoPE keys has the
+           smallest 1-bit gap, TaSQ with post-RoPE keys (the lookup-table fast path) beats
+           plain VQ and sign-bit but not CQ-style; decode attention over 1-bit codes
+           ~1.2-1.4x faster than bf16 on CPU XLA (full decode step ~4x at 32k). Measured
+           numbers and analysis: experiments/tasq/README.md.
 """
 import ml_collections
 
