@@ -24,7 +24,8 @@ from research.core.attention import attend
 from research.core.pytree import pytree_dataclass, static_field
 from research.core.rope import apply_rope
 from research.kv.base import KVCache, write_positions
-from research.kv.vq import encode, inverse_permutation, permute_channels, scatter_codes
+from research.kv.vq import (check_kv_finite, encode, inverse_permutation, permute_channels,
+                            scatter_codes)
 
 
 @pytree_dataclass
@@ -35,6 +36,7 @@ class CQKVCache(KVCache):
     key_perm: Array | None = None    # [Hkv, D] int32: channel order of the key groups
     value_perm: Array | None = None  # [Hkv, D]
     label: str = static_field(default="cq")
+    check_finite: bool = static_field(default=False)  # as VQKVCache: raise inside jit too
 
     def init(self, batch, max_len, n_kv_heads, head_dim):
         for name, cb in (("key_codebook", self.key_codebook),
@@ -47,6 +49,7 @@ class CQKVCache(KVCache):
 
     def update_and_attend(self, state, q, k, v, *, start, n_new, window):
         b, t = q.shape[:2]
+        bad_rows = check_kv_finite(k, v, self.describe(), self.check_finite)
         s = state["k_codes"].shape[-1]
         q_pos = start[:, None] + jnp.arange(t)[None, :]
         k_pre = apply_rope(k.astype(jnp.float32), -q_pos, self.rope_theta)
@@ -61,7 +64,8 @@ class CQKVCache(KVCache):
         vals = self._unpermute(dequantize(state["v_codes"], self.value_codebook),
                                self.value_perm)
         out = attend(q, keys, vals, q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
-        return out, state
+        # A row whose K/V were not finite got junk codes: poison it rather than hide it.
+        return jnp.where(bad_rows[:, None, None, None], jnp.nan, out), state
 
     @staticmethod
     def _permute(x, perm):

@@ -166,3 +166,8 @@ def test_cq_with_channel_permutations_matches_dense_on_decoded():
     out, _ = _run(cache, cache.init(B, t, HKV, D), q, k, v, start, n_new)
     np.testing.assert_allclose(out, _dense(q, k, v, start, n_new, t), rtol=1e-4, atol=1e-4)
     assert cache.describe().startswith("tasq[pre-RoPE keys")
+    k_bad, st = k.at[0, 1, 0, 0].set(jnp.nan), cache.init(B, t, HKV, D)
+    with pytest.raises(ValueError, match="k contains NaN"):  # eager: checked now
+        cache.update_and_attend(st, q, k_bad, v, start=start, n_new=n_new, window=None)
+    out, _ = _run(cache, st, q, k_bad, v, start, n_new)  # under jit: the row is poisoned
+    assert bool(jnp.isnan(out[0]).all()) and bool(jnp.isfinite(out[1]).all())
