@@ -243,10 +243,10 @@ def run(config, out_dir: Path) -> common.Report:
     rows += evaluate(f"trained router ({traces.shape[0]} layers)", real_runs,
                      config.traces.replica_slots, config, measure_rng, planner_s)
     check = layer_check(trained.model, config)
-    return _report(config, rows, check, trained, train_s, tc, planner_s)
+    return _report(config, rows, check, trained, train_s, tc, planner_s, out_dir)
 
 
-def _report(config, rows, check, trained, train_s, tc, planner_s) -> common.Report:
+def _report(config, rows, check, trained, train_s, tc, planner_s, out_dir) -> common.Report:
     node, shape = config.model.primary_node, config.model.primary_shape
     key = f"{cost_model.NODES[node].name}|{shape}"
     mf = [r for r in rows if r["method"] == "MegaFlux"]
