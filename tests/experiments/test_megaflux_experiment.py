@@ -1,4 +1,4 @@
-"""The MegaFlux experiment end to end at toy size (training, traces, sweep, report)."""
+"""The MegaFlux experiment end to end at toy size (training, resume, traces, sweep, report)."""
 import json
 import os
 import subprocess
@@ -16,12 +16,15 @@ TOY = ["--config.train.dim=16", "--config.train.expert_ffn_dim=16", "--config.tr
        "--config.measure.repeats=1"]
 
 
-def test_megaflux_experiment_runs_and_writes_its_report(tmp_path):
+def test_megaflux_experiment_runs_and_resumes(tmp_path):
+    """The second run finds the first one's final checkpoint (restored arrays are committed
+    to one device) and must still run the 8-device layer check."""
     cmd = [sys.executable, "-m", "experiments.run",
            "--config=experiments/megaflux/megaflux.py:small", f"--workdir={tmp_path}", *TOY]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    for _ in range(2):
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "megaflux_small"
     result = json.loads((out / "results.json").read_text())
     methods = {row["method"] for row in result["rows"]}
