@@ -68,7 +68,7 @@ CELLS = [
         "from research.tasq.metrics import attention_output_error\n"
         "held = tokenizer.encode(data.corpus_text('heldout'))\n"
         "for name, m in [('f32', model), ('TaSQ 1-bit', tasq_model)]:\n"
-        "    p = perplexity(m, held, window=128, stride=128, max_windows=2, batch_size=2)\n"
+        "    p = perplexity(m, held, window=128, stride=64, max_windows=2, batch_size=2)\n"
         "    print(f'{name:11s} held-out ppl {p.ppl:7.2f}')\n"
         "err = attention_output_error(tasq_model, np.asarray(held[:128]).reshape(1, 128))\n"
         "print('TaSQ attention-output error per layer (first 6):', "
