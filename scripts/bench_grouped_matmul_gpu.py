@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.common import time_fn
 from kernels_pallas.grouped_matmul import (BlockSizes, grouped_matmul, gmm_reference,
                                            tgmm_reference, transposed_grouped_matmul)
 
@@ -37,14 +36,7 @@ def group_sizes(m: int, g: int, zipf: float, rng) -> np.ndarray:
 
 
 def median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_fn(fn, warmup=2, repeats=repeats)["median_s"]
 
 
 def main() -> None:

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.common import time_fn
 from kernels_pallas.vq_attention import BlockSizes, vq_decode_attention
 from research.core.attention import attend
 
@@ -34,14 +33,7 @@ HQ, HKV, D, G, K = 9, 3, 64, 8, 256  # SmolLM2-135M layer, 1 bit per channel
 
 
 def _median_ms(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return time_fn(fn, warmup=warmup, repeats=repeats)["median_s"] * 1e3
 
 
 def _dense(q, k, v, lengths):

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
@@ -189,9 +189,6 @@ def layer_check(model, config) -> dict:
     cfg = EPConfig(moe.n_experts, moe.top_k, replica_slots=config.traces.replica_slots,
                    transport="padded", matmul=GroupedMatmul("xla_tiled",
                                                             block_sizes=BlockSizes(bm=32)))
-    # Replicated on the mesh: params restored from a checkpoint are committed to one
-    # device, which jit refuses to mix with the 8-device shard_map.
-    x, p = jax.device_put((x, p), NamedSharding(mesh, PartitionSpec()))
     ep = functools.partial(ep_moe_ffn, mesh=mesh, cfg=cfg)
     ref = functools.partial(layers.moe_ffn, top_k=moe.top_k, renormalize=moe.renormalize)
 

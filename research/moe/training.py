@@ -178,6 +178,9 @@ def train(tc: TrainConfig, ckpt_dir: str | Path, *, stop_after: int | None = Non
     start, losses, aux_losses = 0, [], []
     if restored is not None:
         start, state, losses, aux_losses = restored
+        # Restored arrays are committed to one device; fresh ones are not. Uncommit them
+        # so a resumed model runs under any mesh exactly like a freshly trained one.
+        state = jax.tree.map(jnp.asarray, jax.device_get(state))
         params, opt_state = state["params"], state["opt_state"]
     step_fn = make_train_step(tc)
     end = tc.steps if stop_after is None else min(tc.steps, start + stop_after)

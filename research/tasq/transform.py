@@ -166,17 +166,17 @@ def apply_state(model: Model, state: TaSQState, label: str = "tasq") -> Model:
         raise ValueError(f"state has {state.key_codebook.shape[0]} layers, model has "
                          f"{c.n_layers}")
     folded = fold_kv_scales(model, state.key_scale, state.value_scale)
-    if cfg.key_space == "pre_rope":
-        caches = tuple(CQKVCache(state.key_codebook[i], state.value_codebook[i],
-                                 rope_theta=c.rope_theta, key_perm=state.key_perm[i],
-                                 value_perm=state.value_perm[i], label=label)
-                       for i in range(c.n_layers))
-        return folded.replace(caches=caches, tags=model.tags + (label,))
-    caches = tuple(
-        VQKVCache.create(state.key_codebook[i], state.value_codebook[i], state.key_perm[i],
-                         state.value_perm[i], implementation=cfg.implementation,
-                         interpret=cfg.interpret, label=label)
-        for i in range(c.n_layers))
+    def layer_cache(i):
+        if cfg.key_space == "pre_rope":
+            return CQKVCache(state.key_codebook[i], state.value_codebook[i],
+                             rope_theta=c.rope_theta, key_perm=state.key_perm[i],
+                             value_perm=state.value_perm[i], label=label)
+        return VQKVCache.create(state.key_codebook[i], state.value_codebook[i],
+                                state.key_perm[i], state.value_perm[i],
+                                implementation=cfg.implementation, interpret=cfg.interpret,
+                                label=label)
+
+    caches = tuple(layer_cache(i) for i in range(c.n_layers))
     return folded.replace(caches=caches, tags=model.tags + (label,))
 
 

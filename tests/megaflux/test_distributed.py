@@ -27,7 +27,7 @@ def test_two_process_layer_matches_reference(tmp_path):
                XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "research.megaflux.distributed_check", f"--process_id={i}",
+        [sys.executable, "-m", "experiments.megaflux.distributed_check", f"--process_id={i}",
          "--num_processes=2", f"--coordinator=localhost:{port}",
          f"--out={tmp_path / f'p{i}.json'}"], env=env, cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

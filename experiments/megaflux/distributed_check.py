@@ -7,7 +7,7 @@ gathers the results and compares them with layers.moe_ffn computed locally. Writ
 report to --out.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m \
-        research.megaflux.distributed_check --process_id=0 --num_processes=2 \
+        experiments.megaflux.distributed_check --process_id=0 --num_processes=2 \
         --coordinator=localhost:12355 --out=/tmp/p0.json   # and process_id=1 likewise
 """
 from __future__ import annotations
