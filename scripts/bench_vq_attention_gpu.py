@@ -6,7 +6,9 @@ Needs a CUDA device (jaxlib with CUDA). For each (batch, context), in one proces
 warm-up, medians of `--repeats` runs:
   bf16:   the core masked GQA attention over dense bf16 K/V (XLA), SmolLM2 layer shapes;
   pallas: kernels_pallas.vq_attention with the Triton backend over 1-bit uint8 codes;
-  xla-vq: the plain-JAX reference (LUT gathers + segment sums) on the same codes.
+  xla-vq: the plain-JAX reference (LUT gathers + segment sums) on the same codes;
+  pallas-pre: the kernel over pre-RoPE codes (TaSQ key_space="pre_rope": keys rebuilt per
+          block and group, rotated at their positions through the query terms).
 It first checks the kernel against the reference on the device. Prints a markdown table and
 writes --out (JSON) if given.
 
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import time_fn
-from kernels_pallas.vq_attention import BlockSizes, vq_decode_attention
+from kernels_pallas.vq_attention import BlockSizes, KeyRope, vq_decode_attention
 from research.core.attention import attend
 
 HQ, HKV, D, G, K = 9, 3, 64, 8, 256  # SmolLM2-135M layer, 1 bit per channel
@@ -59,11 +61,20 @@ def bench(batch: int, context: int, block_sizes: BlockSizes, warmup: int, repeat
         q, kc, vc, kcb, vcb, n, implementation="pallas", backend="triton",
         block_sizes=block_sizes))
     xla = jax.jit(lambda q, kc, vc, n: vq_decode_attention(q, kc, vc, kcb, vcb, n))
+    rope = KeyRope.from_permutation(np.stack([rng.permutation(D) for _ in range(HKV)]),
+                                    10000.0)
+    pre = {impl: jax.jit(lambda q, kc, vc, n, impl=impl: vq_decode_attention(
+        q, kc, vc, kcb, vcb, n, implementation=impl, backend="triton",
+        block_sizes=block_sizes, key_rope=rope)) for impl in ("pallas", "xla")}
     err = float(jnp.max(jnp.abs(pallas(q, kc, vc, lengths) - xla(q, kc, vc, lengths))))
-    row = {"batch": batch, "context": context, "max_abs_err": err,
+    err_pre = float(jnp.max(jnp.abs(pre["pallas"](q, kc, vc, lengths)
+                                    - pre["xla"](q, kc, vc, lengths))))
+    row = {"batch": batch, "context": context, "max_abs_err": err, "pre_max_abs_err": err_pre,
            "bf16_ms": _median_ms(lambda: dense(q, k, v, lengths), warmup, repeats),
            "pallas_ms": _median_ms(lambda: pallas(q, kc, vc, lengths), warmup, repeats),
            "xla_vq_ms": _median_ms(lambda: xla(q, kc, vc, lengths), warmup, repeats),
+           "pallas_pre_ms": _median_ms(lambda: pre["pallas"](q, kc, vc, lengths), warmup,
+                                       repeats),
            "bf16_bytes": int(k.nbytes + v.nbytes), "code_bytes": int(kc.nbytes + vc.nbytes)}
     row["pallas_speedup"] = row["bf16_ms"] / row["pallas_ms"]
     return row

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -10,12 +11,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from experiments import common
-from kernels_pallas.vq_attention import vq_decode_attention
+from kernels_pallas.vq_attention import KeyRope, vq_decode_attention_reference
 from research import data
 from research.eval.perplexity import perplexity
 from research.kv import memory
+from research.kv.cq import CQKVCache
 from research.kv.dense import DenseKVCache
-from research.kv.vq import VQKVCache
 from research.model import load
 from research.core.attention import attend
 from research.tasq import TaSQConfig, plain_vq, tasq
@@ -27,6 +28,10 @@ from research.transforms import CalibrationData, calibrate_and_apply, chain, kv_
 BF16 = "bf16"
 TASQ = "TaSQ (1 bit)"
 TASQ_PRE = "TaSQ (1 bit, pre-RoPE keys)"
+# decode-attention timing: (key, label, plot style); "1bit" reads TaSQ's post-RoPE codes
+# through lookup tables, "1bit_pre" TaSQ's pre-RoPE codes (blockwise rebuild + rotate)
+TIMED = (("bf16", "bf16 dense", "o-"), ("1bit", "1-bit post-RoPE (LUT)", "s-"),
+         ("1bit_pre", "1-bit pre-RoPE (blockwise)", "^-"))
 
 
 def variants(config) -> list[tuple[str, str, object]]:
@@ -89,37 +94,55 @@ def _dense_decode(q, k, v, lengths):
                   kv_pos < lengths[:, None])[:, 0]
 
 
-def time_decode(cache: VQKVCache, model_config, context: int, batch: int, warmup: int,
+def _code_reader(cache):
+    """Decode-attention read of `cache`'s codes (XLA): lookup tables for post-RoPE codes, the
+    blockwise rebuild + rotate path for pre-RoPE codes (CQKVCache)."""
+    if isinstance(cache, CQKVCache):
+        rope = KeyRope.from_permutation(cache.key_perm, cache.rope_theta)
+        read = functools.partial(vq_decode_attention_reference, key_rope=rope,
+                                 block=cache.block)
+    else:
+        read = vq_decode_attention_reference
+    return jax.jit(lambda q, kc, vc, n: read(q, kc, vc, cache.key_codebook,
+                                             cache.value_codebook, n))
+
+
+def time_decode(caches: dict, model_config, context: int, batch: int, warmup: int,
                 repeats: int, seed: int) -> dict:
     """Median seconds of one decode query's attention over `context` cached tokens, read
-    from (a) dense bf16 K/V and (b) 1-bit codes through lookup tables; plus a full decode
-    step (encode + write + attend) of each cache with the state donated."""
+    from (a) dense bf16 K/V and (b) the 1-bit codes of each cache in `caches` (name ->
+    layer cache); plus a full decode step (encode + write + attend) of each with the state
+    donated. Keys `<name>_ms`, `<name>_speedup` (bf16 time / its time), `<name>_step_ms`."""
     c = model_config
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(batch, c.n_heads, c.head_dim)), jnp.float32)
     kv_shape = (batch, context, c.n_kv_heads, c.head_dim)
     k = jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16)
-    g = cache.key_codebook.shape[1]
+    g = next(iter(caches.values())).key_codebook.shape[1]
     codes = (batch, c.n_kv_heads, g, context)
     kc = jnp.asarray(rng.integers(0, 256, codes), jnp.uint8)
     vc = jnp.asarray(rng.integers(0, 256, codes), jnp.uint8)
     lengths = jnp.full((batch,), context, jnp.int32)
     dense_fn = jax.jit(_dense_decode)
-    vq_fn = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
-        q, kc, vc, cache.key_codebook, cache.value_codebook, n))
-    read = interleaved_medians({"bf16": lambda: dense_fn(q, k, v, lengths),
-                                "1bit": lambda: vq_fn(q, kc, vc, lengths)}, warmup, repeats)
-    step = interleaved_medians({
-        "bf16": _decode_step(DenseKVCache("bfloat16"), {"k": k, "v": v}, c, batch, context,
-                             rng),
-        "1bit": _decode_step(cache, {"k_codes": kc, "v_codes": vc}, c, batch, context, rng)},
-        warmup, repeats)
-    return {"context": context, "bf16_ms": read["bf16"] * 1e3, "1bit_ms": read["1bit"] * 1e3,
-            "speedup": read["bf16"] / read["1bit"],
-            "bf16_step_ms": step["bf16"] * 1e3, "1bit_step_ms": step["1bit"] * 1e3,
-            "step_speedup": step["bf16"] / step["1bit"],
-            "bf16_bytes": int(k.nbytes + v.nbytes), "1bit_bytes": int(kc.nbytes + vc.nbytes)}
+    reads = {"bf16": lambda: dense_fn(q, k, v, lengths)}
+    steps = {"bf16": _decode_step(DenseKVCache("bfloat16"), {"k": k, "v": v}, c, batch,
+                                  context, rng)}
+    for name, cache in caches.items():
+        fn = _code_reader(cache)
+        reads[name] = lambda fn=fn: fn(q, kc, vc, lengths)
+        steps[name] = _decode_step(cache, {"k_codes": kc, "v_codes": vc}, c, batch, context,
+                                   rng)
+    read = interleaved_medians(reads, warmup, repeats)
+    step = interleaved_medians(steps, warmup, repeats)
+    out = {"context": context, "bf16_bytes": int(k.nbytes + v.nbytes),
+           "1bit_bytes": int(kc.nbytes + vc.nbytes)}
+    for name in reads:
+        out[f"{name}_ms"] = read[name] * 1e3
+        out[f"{name}_step_ms"] = step[name] * 1e3
+        out[f"{name}_speedup"] = read["bf16"] / read[name]
+        out[f"{name}_step_speedup"] = step["bf16"] / step[name]
+    return out
 
 
 def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict:
@@ -174,8 +197,8 @@ def _plot(rows, timing):
         ax1.set_ylabel("held-out perplexity")
         ax1.legend(fontsize=7)
         ctx = [t["context"] for t in timing]
-        ax2.plot(ctx, [t["bf16_ms"] for t in timing], "o-", label="bf16 dense")
-        ax2.plot(ctx, [t["1bit_ms"] for t in timing], "s-", label="1-bit codes (LUT)")
+        for name, label, style in TIMED:
+            ax2.plot(ctx, [t[f"{name}_ms"] for t in timing], style, label=label)
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("context (tokens)")
         ax2.set_ylabel("decode attention, ms (median)")
@@ -213,9 +236,10 @@ def _claims(rows, timing, config) -> list[dict]:
                                        f"attn err {a['attn err']:.3f} vs "
                                        f"{t['attn err']:.3f}", None))
     last = timing[-1]
-    claims.append(common.claim(f"1-bit decode attention vs bf16 at {last['context']} ctx (CPU)",
-                               ">= 2x faster", f"{last['speedup']:.2f}x",
-                               last["speedup"] >= 2))
+    for name, label, _ in TIMED[1:]:
+        x = last[f"{name}_speedup"]
+        claims.append(common.claim(f"{label} decode attention vs bf16 at {last['context']} "
+                                   "ctx (CPU)", ">= 2x faster", f"{x:.2f}x", x >= 2))
     return claims
 
 
@@ -228,13 +252,13 @@ def run(config, out_dir=None) -> common.Report:
     a = config.attn_error
     attn_tokens = np.asarray(held_ids[:a.n_seqs * a.seq_len], np.int32).reshape(a.n_seqs,
                                                                                  a.seq_len)
-    rows, per_layer, tasq_model = [], {}, None
+    rows, per_layer, timed_caches = [], {}, {}
     for name, role, transform in tqdm(variants(config), desc="codecs"):
         r = measure_variant(model, transform, cal, held_ids, attn_tokens, config)
         per_layer[name] = r.pop("_per_layer_err")
         m = r.pop("_model")
-        if name == TASQ:
-            tasq_model = m
+        if name in (TASQ, TASQ_PRE):
+            timed_caches["1bit" if name == TASQ else "1bit_pre"] = m.caches[0]
         rows.append({"codec": name, "role": role, **r})
     f32 = rows[0]["perplexity"]
     bf = next(r for r in rows if r["codec"] == BF16)
@@ -242,15 +266,15 @@ def run(config, out_dir=None) -> common.Report:
         r["ppl gap %"] = 100 * (r["perplexity"] / f32 - 1)
         r["x batch vs bf16"] = r["max batch"] / bf["max batch"]
     tm = config.timing
-    timing = [time_decode(tasq_model.caches[0], model.config, ctx, tm.batch, tm.warmup,
-                          tm.repeats, config.seed) for ctx in tqdm(tm.contexts, desc="timing")]
+    timing = [time_decode(timed_caches, model.config, ctx, tm.batch, tm.warmup, tm.repeats,
+                          config.seed) for ctx in tqdm(tm.contexts, desc="timing")]
     columns = ["codec", "role", "bits/ch", "KV B/token", "codebook KiB", "max batch",
                "x batch vs bf16", "perplexity", "ppl gap %", "attn err", "calib s"]
-    timing_lines = [f"ctx {t['context']}: bf16 {t['bf16_ms']:.2f} ms vs 1-bit {t['1bit_ms']:.2f}"
-                    f" ms ({t['speedup']:.2f}x; bytes {t['bf16_bytes']} vs {t['1bit_bytes']}); "
-                    f"full decode step (encode+write+attend, donated state) "
-                    f"{t['bf16_step_ms']:.2f} vs {t['1bit_step_ms']:.2f} ms "
-                    f"({t['step_speedup']:.2f}x)" for t in timing]
+    timing_lines = [
+        f"ctx {t['context']} (bytes {t['bf16_bytes']} vs {t['1bit_bytes']}): " + ", ".join(
+            f"{label} {t[name + '_ms']:.2f} ms ({t[name + '_speedup']:.2f}x; full decode "
+            f"step {t[name + '_step_ms']:.2f} ms, {t[name + '_step_speedup']:.2f}x)"
+            for name, label, _ in TIMED) for t in timing]
     notes = [
         f"held-out text {len(held_ids)} tokens (perplexity: {config.ppl.max_windows} windows "
         f"of {config.ppl.window}, stride {config.ppl.stride}); calibration "
@@ -266,13 +290,16 @@ def run(config, out_dir=None) -> common.Report:
         f"{a.n_seqs}x{a.seq_len} held-out tokens",
         "sign-bit: QJL-style 1-bit key sketch (m = head_dim Gaussian projections + f16 norm) "
         "and 1-bit sign values with an f16 scale per token; CQ-style: adjacent 8-channel "
-        "groups, pre-RoPE keys, per-head plain k-means, dense dequantise+RoPE on read; plain "
+        "groups, pre-RoPE keys, per-head plain k-means, keys rebuilt and rotated one block "
+        "at a time on read (as TaSQ pre-RoPE); plain "
         "VQ = the same codec as TaSQ on raw post-RoPE K/V with adjacent groups",
         "perplexity prefills each window through the cache, so every codec is read back "
         "for every token (KIVI: positions within `residual` of the query read full "
         "precision)",
         "decode attention timing (same process, medians after warm-up, batch "
-        f"{tm.batch}, SmolLM2 layer shapes, TaSQ layer-0 codebooks): " + "; ".join(timing_lines),
+        f"{tm.batch}, SmolLM2 layer shapes, TaSQ layer-0 codebooks; x = bf16 time / this "
+        "time; full decode step = encode + write + attend with the state donated): "
+        + "; ".join(timing_lines),
     ]
     return common.Report(columns=columns, rows=rows,
                          title="TaSQ: 1-bit VQ KV cache vs alternatives, SmolLM2-135M-Instruct",

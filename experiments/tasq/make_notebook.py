@@ -78,9 +78,10 @@ CELLS = [
                       "(CPU XLA, medians after warm-up)."),
     new_code_cell(
         "from experiments.tasq.experiment import time_decode\n"
-        "t = time_decode(tasq_model.caches[0], c, 16384, batch=1, warmup=1, repeats=5, seed=0)\n"
+        "t = time_decode({'1bit': tasq_model.caches[0]}, c, 16384, batch=1, warmup=1, "
+        "repeats=5, seed=0)\n"
         "print(f\"bf16 {t['bf16_ms']:.2f} ms ({t['bf16_bytes']/2**20:.1f} MiB) vs 1-bit "
-        "{t['1bit_ms']:.2f} ms ({t['1bit_bytes']/2**20:.2f} MiB): {t['speedup']:.1f}x\")"),
+        "{t['1bit_ms']:.2f} ms ({t['1bit_bytes']/2**20:.2f} MiB): {t['1bit_speedup']:.1f}x\")"),
     new_markdown_cell("## The Pallas kernel (interpret mode on CPU) matches the reference"),
     new_code_cell(
         "from kernels_pallas.vq_attention import BlockSizes, vq_decode_attention\n"

@@ -11,9 +11,10 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas.vq_attention.kernel import BACKENDS, BlockSizes, vq_decode_attention_pallas
 from kernels_pallas.vq_attention.reference import vq_decode_attention_reference
+from kernels_pallas.vq_attention.rope import KeyRope
 
 IMPLEMENTATIONS = ("xla", "pallas")
-_reference = jax.jit(vq_decode_attention_reference, static_argnames=("sm_scale",))
+_reference = jax.jit(vq_decode_attention_reference, static_argnames=("sm_scale", "block"))
 
 
 def validate_codes_and_codebooks(k_codes, v_codes, k_codebook, v_codebook,
@@ -42,17 +43,30 @@ def validate_codes_and_codebooks(k_codes, v_codes, k_codebook, v_codebook,
         raise ValueError(f"codes have {hkv} KV heads, expected {n_kv_heads}")
 
 
+def validate_key_rope(key_rope, n_kv_heads: int, head_dim: int) -> None:
+    if not isinstance(key_rope, KeyRope):
+        raise TypeError(f"key_rope must be a KeyRope, got {type(key_rope).__name__}")
+    for name in ("omega", "partner", "sign"):
+        x = getattr(key_rope, name)
+        if x.ndim != 2 or x.shape[0] not in (1, n_kv_heads) or x.shape[1] != head_dim:
+            raise ValueError(f"key_rope.{name} must be [1 or Hkv={n_kv_heads}, "
+                             f"D={head_dim}], got {x.shape}")
+
+
 def vq_decode_attention(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
                         v_codes: UInt8[Array, "B Hkv G S"], k_codebook: Float[Array, "Hc G K g"],
                         v_codebook: Float[Array, "Hc G K g"], lengths: Int[Array, "B"], *,
                         implementation: str = "xla", interpret: bool = False,
                         block_sizes: BlockSizes | None = None, backend: str = "triton",
-                        sm_scale: float | None = None) -> Float[Array, "B Hq D"]:
+                        sm_scale: float | None = None,
+                        key_rope: KeyRope | None = None) -> Float[Array, "B Hq D"]:
     """Attention of one query token per row over the first `lengths[b]` coded tokens.
 
     implementation: "xla" (the plain-JAX reference: LUT gathers + per-code segment sums)
       or "pallas" (the kernel; `interpret=True` runs it on CPU, `backend` picks the
       Triton (CUDA) or Mosaic (TPU) compiler params).
+    key_rope: the keys were coded before RoPE, in the codec channel order these tables
+      describe (`KeyRope.from_permutation`); cache slot s holds position s.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
@@ -70,10 +84,12 @@ def vq_decode_attention(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B Hkv 
     if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths must be integer [B={b}], got {lengths.shape=} "
                          f"{lengths.dtype=}")
+    if key_rope is not None:
+        validate_key_rope(key_rope, k_codes.shape[1], q.shape[-1])
     if implementation == "xla":
         return _reference(q, k_codes, v_codes, k_codebook, v_codebook, lengths,
-                          sm_scale=sm_scale).astype(q.dtype)
+                          sm_scale=sm_scale, key_rope=key_rope).astype(q.dtype)
     return vq_decode_attention_pallas(q, k_codes, v_codes, k_codebook, v_codebook, lengths,
-                                      block_sizes=block_sizes or BlockSizes(),
+                                      key_rope, block_sizes=block_sizes or BlockSizes(),
                                       interpret=interpret, backend=backend,
                                       sm_scale=sm_scale)

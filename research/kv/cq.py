@@ -5,27 +5,32 @@ Groups are runs of `g` adjacent channels (no permutation, no weighting, per-head
 codebooks learnt by plain k-means: CQ's "uniform" centroid learning; its Fisher-guided
 variant needs per-token gradients and is not reproduced). Because the codes hold pre-RoPE
 keys, a per-query lookup table cannot serve every position: keys are rebuilt from the
-centroids and rotated at their positions on every read (CQ's own read path), so this codec
-materialises dense K/V; it is a quality baseline, not a fast path.
+centroids one block at a time and rotated at their positions inside an online softmax
+(kernels_pallas/vq_attention: `vq_attention_blockwise` with a `KeyRope`, or the Pallas
+decode kernel), so no dense K/V of the whole context ever exists.
 
 The cache receives post-RoPE keys from the model, so it un-rotates them (RoPE by -position,
 exact up to float rounding) before encoding. `rope_theta` must be the model's.
 
 Optional channel permutations ([Hkv, D], groups = runs of the permuted channels) make the
-same codec serve TaSQ's pre-RoPE key space (covariance-aware grouping); CQ uses none.
+same codec serve TaSQ's pre-RoPE key space (covariance-aware grouping); CQ uses none. The
+rotation is applied in the codec's channel order (KeyRope), so nothing is un-permuted
+per block.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from kernels_pallas.vq_attention.reference import dequantize
-from research.core.attention import attend
+from kernels_pallas.vq_attention.api import vq_decode_attention
+from kernels_pallas.vq_attention.reference import vq_attention_blockwise
+from kernels_pallas.vq_attention.rope import KeyRope
+from research.core.attention import attention_mask
 from research.core.pytree import pytree_dataclass, static_field
 from research.core.rope import apply_rope
 from research.kv.base import KVCache, write_positions
-from research.kv.vq import (check_kv_finite, encode, inverse_permutation, permute_channels,
-                            scatter_codes)
+from research.kv.vq import (IMPLEMENTATIONS, check_kv_finite, encode, inverse_permutation,
+                            permute_channels, scatter_codes)
 
 
 @pytree_dataclass
@@ -37,6 +42,14 @@ class CQKVCache(KVCache):
     value_perm: Array | None = None  # [Hkv, D]
     label: str = static_field(default="cq")
     check_finite: bool = static_field(default=False)  # as VQKVCache: raise inside jit too
+    implementation: str = static_field(default="xla")  # "pallas": the kernel for decode steps
+    interpret: bool = static_field(default=False)
+    block: int = static_field(default=256)  # tokens rebuilt per online-softmax step (XLA)
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                             f"{self.implementation!r}")
 
     def init(self, batch, max_len, n_kv_heads, head_dim):
         for name, cb in (("key_codebook", self.key_codebook),
@@ -48,7 +61,7 @@ class CQKVCache(KVCache):
         return {"k_codes": jnp.zeros(shape, jnp.uint8), "v_codes": jnp.zeros(shape, jnp.uint8)}
 
     def update_and_attend(self, state, q, k, v, *, start, n_new, window):
-        b, t = q.shape[:2]
+        b, t, _, d = k.shape
         bad_rows = check_kv_finite(k, v, self.describe(), self.check_finite)
         s = state["k_codes"].shape[-1]
         q_pos = start[:, None] + jnp.arange(t)[None, :]
@@ -58,14 +71,23 @@ class CQKVCache(KVCache):
         v_codes = encode(self._permute(v, self.value_perm), self.value_codebook)
         state = {"k_codes": scatter_codes(state["k_codes"], slots, k_codes),
                  "v_codes": scatter_codes(state["v_codes"], slots, v_codes)}
-        kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-        k_dec = self._unpermute(dequantize(state["k_codes"], self.key_codebook), self.key_perm)
-        keys = apply_rope(k_dec, kv_pos, self.rope_theta)
-        vals = self._unpermute(dequantize(state["v_codes"], self.value_codebook),
-                               self.value_perm)
-        out = attend(q, keys, vals, q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
+        key_perm = jnp.arange(d)[None] if self.key_perm is None else self.key_perm
+        key_rope = KeyRope.from_permutation(key_perm, self.rope_theta)
+        qp = permute_channels(q, key_perm)
+        if self.implementation == "pallas" and t == 1 and window is None:
+            out = vq_decode_attention(qp[:, 0], state["k_codes"], state["v_codes"],
+                                      self.key_codebook, self.value_codebook, start + n_new,
+                                      implementation="pallas", interpret=self.interpret,
+                                      key_rope=key_rope)[:, None].astype(jnp.float32)
+        else:
+            kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
+            mask = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
+            out = vq_attention_blockwise(qp, state["k_codes"], state["v_codes"],
+                                         self.key_codebook, self.value_codebook, mask,
+                                         block=self.block, key_rope=key_rope)
+        out = self._unpermute(out, self.value_perm)
         # A row whose K/V were not finite got junk codes: poison it rather than hide it.
-        return jnp.where(bad_rows[:, None, None, None], jnp.nan, out), state
+        return jnp.where(bad_rows[:, None, None, None], jnp.nan, out).astype(q.dtype), state
 
     @staticmethod
     def _permute(x, perm):

@@ -25,11 +25,12 @@ class TaSQConfig:
       differ too much), and per-head f32 codebooks cost 11.3 MiB for all of SmolLM2 (fixed,
       not per token: 0.07% of a 16 GiB budget). With
       per-head codebooks head_normalization is a no-op (k-means is scale-equivariant).
-    key_space: "post_rope" (default, the fast path) codes keys after RoPE, so one lookup
-      table per query scores every position without rebuilding keys; "pre_rope" codes
-      keys before RoPE (they cluster much better: RoPE spreads each pair over a circle) and
-      rebuilds + rotates them on read (CQ's read path, dense per call), the quality mode.
-      Pre-RoPE grouping may split RoPE pairs: keys are rotated after decoding.
+    key_space: "post_rope" codes keys after RoPE, so one lookup table per query scores
+      every position without rebuilding keys; "pre_rope" codes keys before RoPE (they
+      cluster much better: RoPE spreads each pair over a circle) and the reader rebuilds
+      one block of keys at a time from the centroids and rotates it at its positions
+      (XLA blockwise path or the Pallas kernel; never a whole-context dense K). Pre-RoPE
+      grouping may split RoPE pairs: keys are rotated after decoding, in codec order.
     """
 
     bits: int = 1
@@ -60,9 +61,6 @@ class TaSQConfig:
         if self.key_space not in ("post_rope", "pre_rope"):
             raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got "
                              f"{self.key_space!r}")
-        if self.key_space == "pre_rope" and self.implementation != "xla":
-            raise ValueError("key_space='pre_rope' reads keys densely (dequantise + RoPE); "
-                             "the Pallas code-domain kernel needs key_space='post_rope'")
         if self.implementation not in ("xla", "pallas"):
             raise ValueError(f"implementation must be 'xla' or 'pallas', got "
                              f"{self.implementation!r}")

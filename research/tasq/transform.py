@@ -170,7 +170,8 @@ def apply_state(model: Model, state: TaSQState, label: str = "tasq") -> Model:
         if cfg.key_space == "pre_rope":
             return CQKVCache(state.key_codebook[i], state.value_codebook[i],
                              rope_theta=c.rope_theta, key_perm=state.key_perm[i],
-                             value_perm=state.value_perm[i], label=label)
+                             value_perm=state.value_perm[i], label=label,
+                             implementation=cfg.implementation, interpret=cfg.interpret)
         return VQKVCache.create(state.key_codebook[i], state.value_codebook[i],
                                 state.key_perm[i], state.value_perm[i],
                                 implementation=cfg.implementation, interpret=cfg.interpret,

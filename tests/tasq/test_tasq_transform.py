@@ -8,8 +8,10 @@ import pytest
 
 from research.eval.perplexity import perplexity
 from research.kv.vq import VQKVCache
+from research.serving.generate import generate
 from research.model import forward, init_params, make_model, tiny_config
 from research.tasq import TaSQConfig, plain_vq, tasq
+from research.tasq.transform import apply_state
 from research.tasq.artifacts import restore_state, save_state
 from research.tasq.baselines import cq_style, int8_kv, kivi_kv, sign_kv
 from research.tasq.metrics import (attention_output_error, bits_per_channel,
@@ -90,8 +92,12 @@ def test_pre_rope_key_space_codes_unrotated_keys(model16, calib):
     toks = np.random.default_rng(2).integers(0, 97, (2, 48))
     err = attention_output_error(m, toks)["mean"]
     assert 0 < err < 1.5
-    with pytest.raises(ValueError, match="pre_rope"):
-        dataclasses.replace(cfg, implementation="pallas")
+    pallas = apply_state(model16, dataclasses.replace(
+        st, config=dataclasses.replace(cfg, implementation="pallas", interpret=True)))
+    assert all(c.implementation == "pallas" for c in pallas.caches)
+    prompts = [list(range(3, 20)), [5, 6, 7]]
+    assert (generate(pallas, prompts, max_new_tokens=4).tokens
+            == generate(m, prompts, max_new_tokens=4).tokens)
 
 
 def test_two_bits_uses_four_channel_groups(model16, calib):
