@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from research.core.pytree import pytree_dataclass
@@ -42,8 +43,9 @@ class KeyRope:
                              f"{perm.shape} {perm.dtype}")
         d = perm.shape[1]
         half = d // 2
-        if not isinstance(perm, jax.core.Tracer) and not bool(
-                jnp.all(jnp.sort(perm, axis=1) == jnp.arange(d))):
+        # numpy, not jnp: inside a jit trace even a closed-over constant's jnp ops are traced
+        if not isinstance(perm, jax.core.Tracer) and not (
+                np.sort(np.asarray(perm), axis=1) == np.arange(d)).all():
             raise ValueError("perm rows must be permutations of range(D)")
         # the same XLA ops as research.core.rope, so frequencies (and hence long-context
         # angles) are bit-identical to the model's

@@ -26,6 +26,7 @@ def test_experiment_lists_every_baseline_and_ablation():
 def test_time_decode_reports_every_code_reader():
     """The timing helper runs bf16, post-RoPE (LUT) and pre-RoPE (blockwise) reads and full
     decode steps side by side; keys as the report and plot use them."""
+    import jax.numpy as jnp
     import numpy as np
     from experiments.tasq.experiment import TIMED, time_decode
     from research.kv.cq import CQKVCache
@@ -35,9 +36,10 @@ def test_time_decode_reports_every_code_reader():
     rng = np.random.default_rng(0)
     g = c.head_dim // 8
     book = lambda: rng.normal(size=(c.n_kv_heads, g, 256, 8)).astype(np.float32)  # noqa
-    perm = np.stack([rng.permutation(c.head_dim) for _ in range(c.n_kv_heads)])
+    perm = jnp.asarray(np.stack([rng.permutation(c.head_dim) for _ in range(c.n_kv_heads)]))
     caches = {"1bit": VQKVCache.create(book(), book()),
               "1bit_pre": CQKVCache(book(), book(), key_perm=perm, value_perm=perm)}
+    # jnp permutations closed over by the timed jit (as the experiment's calibrated caches)
     t = time_decode(caches, c, 64, batch=1, warmup=1, repeats=1, seed=0)
     for name, _, _ in TIMED:
         assert t[f"{name}_ms"] > 0 and t[f"{name}_step_ms"] > 0 and t[f"{name}_speedup"] > 0
