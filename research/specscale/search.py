@@ -21,7 +21,10 @@ at the first token containing a newline (or a stop token, or `max_line_tokens`).
     than the best sibling line at that depth by more than the margin;
   * `dedup`: a candidate whose whole token path equals a live sibling's is merged into
     it (its KV freed, its weight added to the twin's), so identical paths are generated,
-    stored and judged once, and the W surviving beams are distinct paths.
+    stored and judged once. Merging removes computation, not search: a bundle of weight w
+    stands for w identical beams, takes w of the W beam slots and is expanded with w * E
+    samples, so the search is beam search's in distribution (when beam search would keep
+    two copies of one path, SpecScale keeps one bundle of weight 2).
   Shared prefixes are never recomputed in any method: children fork the parent's
   blocks (the `PagedEngine`), and verifier sequences fork the parent's judged prefix.
   Every method keeps at least one candidate per problem alive.
@@ -214,9 +217,10 @@ class _Searcher:
             cur_logp=list(parent.cur_logp))
 
     def _children(self, parent: Candidate, k: int) -> list[Candidate]:
-        """k samples continue from `parent`: k forks, or one bundle of weight k (dedup)."""
+        """k samples continue from each of the `parent.weight` identical paths `parent`
+        stands for: k forks, or one bundle of weight k * parent.weight (dedup)."""
         if self.cfg.dedup:
-            parent.weight = k
+            parent.weight *= k
             return [parent]
         kids = [self._copy(parent, salt=e, weight=1) for e in range(k)]
         self._drop(parent)
@@ -401,13 +405,19 @@ class _Searcher:
             (done[c.slot] if c.finished else live.setdefault(c.slot, [])).append(c)
         for slot in list(live):
             ranked = sorted(live[slot], key=lambda c: (c.score, c.weight), reverse=True)
-            if len(done[slot]) >= self.cfg.beam_width:
-                ranked, drop = [], ranked
-            else:
-                ranked, drop = ranked[:self.cfg.beam_width], ranked[self.cfg.beam_width:]
-            for c in drop:
-                self._drop(c)
-            live[slot] = ranked
+            # beam slots count paths: a dedup bundle of weight w fills w of them (without
+            # dedup every weight is 1 and this is plain top-W)
+            finished = sum(c.weight for c in done[slot])
+            room = 0 if finished >= self.cfg.beam_width else self.cfg.beam_width
+            keep = []
+            for c in ranked:
+                if room <= 0:
+                    self._drop(c)
+                    continue
+                c.weight = min(c.weight, room)
+                room -= c.weight
+                keep.append(c)
+            live[slot] = keep
         return live
 
     def _finish(self, live, done, n) -> list[Candidate | None]:

@@ -112,3 +112,23 @@ def test_config_validation():
         S.specscale(2, 2, prune_token_logp=0.5)
     with pytest.raises(ValueError, match="group_size"):
         S.run_search(None, [1], S.beam_search(1, 1), group_size=0)
+
+
+def test_dedup_bundles_fill_beam_slots_by_weight(ctx, problems):
+    """A bundle of w identical paths holds w beam slots (beam search would keep w copies)
+    and its next expansion draws w * E samples; without dedup it is plain top-W."""
+    searcher = S._Searcher(ctx, S.specscale(2, 3, **LIMITS), 0, problems)
+    searcher._drop = lambda c: setattr(c, "alive", False)  # no engine sequences here
+
+    def cand(score, weight):
+        return S.Candidate(slot=0, gen=-1, ver=-1, ver_scores=[score], weight=weight)
+
+    best, second, third = cand(-1.0, 3), cand(-2.0, 1), cand(-3.0, 1)
+    live = searcher._select([third, best, second], {0: []})
+    assert live[0] == [best] and best.weight == 2  # two slots, both taken by the bundle
+    assert not second.alive and not third.alive
+    assert searcher._children(best, 3) == [best] and best.weight == 6
+    a, b, c = cand(-1.0, 1), cand(-2.0, 1), cand(-3.0, 1)
+    assert searcher._select([c, a, b], {0: []})[0] == [a, b] and not c.alive
+    done = [cand(-0.5, 2)]  # W finished paths end the problem's search
+    assert searcher._select([cand(-1.0, 1)], {0: done})[0] == []
