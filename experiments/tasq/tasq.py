@@ -8,9 +8,11 @@ Expected:  one table over held-out text with every codec and the TaSQ ablation: 
            vs bf16 (~16x at 1 bit), perplexity and attention-output error; 1-bit codecs
            lose a lot of perplexity on a 135M model; TaSQ with pre-RoPE keys has the
            smallest 1-bit gap, TaSQ with post-RoPE keys (the lookup-table fast path) beats
-           plain VQ and sign-bit but not CQ-style; decode attention over 1-bit codes
-           ~1.2-1.4x faster than bf16 on CPU XLA (full decode step ~4x at 32k). Measured
-           numbers and analysis: experiments/tasq/README.md.
+           plain VQ and sign-bit but not CQ-style; decode attention over post-RoPE
+           codes (lookup tables) ~1.2-2.3x faster than bf16 on CPU XLA depending on load
+           (full decode step ~4x at 32k), over pre-RoPE codes (blockwise rebuild + rotate)
+           about bf16 speed at 32k. Measured numbers and analysis:
+           experiments/tasq/README.md.
 """
 import ml_collections
 
