@@ -129,8 +129,8 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
         for ratio in config.budgets:
             m, states = compressed_states(model, name, ratio, probed)
             kept = kv_kept_bytes(states)
-            for method, v in make_variants(m, states, probed, config.methods,
-                                           ridge_cfg).items():
+            for method, v in make_variants(m, states, probed, config.methods, ridge_cfg,
+                                           {"target": config.patch_target}).items():
                 records.append({"kind": kind, "compression": name, "budget": ratio,
                                 "method": method, "fit_s": v["fit_s"],
                                 "patch_bytes": v["patch_bytes"], "kv_bytes": kept,
@@ -142,7 +142,8 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
         kept = kv_kept_bytes(states)
         budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
         methods = [x for x in config.methods if x not in baselines.METHODS]
-        for method, v in make_variants(m, states, probed, methods, ridge_cfg).items():
+        for method, v in make_variants(m, states, probed, methods, ridge_cfg,
+                                       {"target": config.quantizer_patch_target}).items():
             records.append({"kind": kind, "compression": name, "budget": budget,
                             "method": method, "fit_s": v["fit_s"],
                             "patch_bytes": v["patch_bytes"], "kv_bytes": kept, **score(v)})

@@ -30,8 +30,10 @@ from research.transforms import CalibrationData
 
 @dataclasses.dataclass(frozen=True)
 class ProbeConfig:
-    n_generated: int = 16  # sampled continuations per context
-    n_repeat: int = 16  # context spans re-fed after the context, per context
+    # Defaults chosen on a dev split (experiments/patchkv/patchkv.py): repeat rows made the
+    # patch worse on real continuations, so by default all probes are generated.
+    n_generated: int = 32  # sampled continuations per context
+    n_repeat: int = 0  # context spans re-fed after the context, per context
     length: int = 64  # tokens per probe row
     temperature: float = 1.0
     top_p: float = 0.95

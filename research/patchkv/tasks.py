@@ -38,10 +38,15 @@ class RetrievalTask(NamedTuple):
 
 
 def continuation_tasks(ids: Sequence[int], *, n_contexts: int, context_len: int,
-                       n_continuations: int, continuation_len: int) -> list[ContinuationTask]:
-    """Contexts spread evenly over `ids`; continuation j = the j-th `continuation_len`-token
-    passage after the context (the first is the true continuation)."""
-    ids = np.asarray(ids, np.int32)
+                       n_continuations: int, continuation_len: int,
+                       offset: int = 0) -> list[ContinuationTask]:
+    """Contexts spread evenly over `ids[offset:]`; continuation j = the j-th
+    `continuation_len`-token passage after the context (the first is the true
+    continuation). A non-zero `offset` gives contexts disjoint from the offset-0 ones
+    (a dev split for tuning, when the offset exceeds the span the offset-0 run uses)."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    ids = np.asarray(ids, np.int32)[offset:]
     span = context_len + n_continuations * continuation_len
     if min(n_contexts, context_len, n_continuations, continuation_len) < 1:
         raise ValueError("n_contexts, context_len, n_continuations and continuation_len "

@@ -31,6 +31,12 @@ def test_continuation_tasks_layout():
     for t in out:
         assert t.context.shape == (100,) and t.continuations.shape == (4, 10)
         np.testing.assert_array_equal(t.continuations[0], t.context[-1] + 1 + np.arange(10))
+    dev = tasks.continuation_tasks(ids, n_contexts=1, context_len=100, n_continuations=4,
+                                   continuation_len=10, offset=5000)
+    np.testing.assert_array_equal(dev[0].context, 5000 + np.arange(100))
+    with pytest.raises(ValueError, match="offset"):
+        tasks.continuation_tasks(ids, n_contexts=1, context_len=100, n_continuations=1,
+                                 continuation_len=10, offset=-1)
     with pytest.raises(ValueError, match="need"):
         tasks.continuation_tasks(ids[:100], n_contexts=2, context_len=100, n_continuations=1,
                                  continuation_len=10)

@@ -1,0 +1,156 @@
+"""Dev-split sweep of PatchKV settings (probe mix, ridge selection, fit target).
+
+Tunes on continuation contexts taken from the held-out split *after* the tokens the test
+config reads (`continuation.offset`, default 4096; the small test run uses tokens
+[0, 1024)), so no setting is chosen on the test context. Continuation perplexity only
+(retrieval is 8 questions: too coarse to tune on).
+
+    python -m experiments.patchkv.dev_sweep --settings base,t07,gen32 [--contexts 2]
+
+Prints one JSON line per (setting, context, compression) and a gap-closed table
+(pooled over the dev contexts: ppl = exp(total NLL / total tokens)).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from experiments.patchkv import experiment as ex
+from experiments.patchkv.patchkv import get_config
+from research import data
+from research.model import load
+from research.patchkv import session, tasks
+from research.patchkv.probes import ProbeConfig, probe_context, reference_model
+from research.patchkv.ridge import RidgeConfig
+from research.transforms import calibrate_and_apply
+
+# name -> (probe overrides, ridge selection, fit_patches kwargs)
+SETTINGS = {
+    "base": ({}, "holdout", {}),
+    "t07": ({"temperature": 0.7}, "holdout", {}),
+    "gen32": ({"n_generated": 32, "n_repeat": 0}, "holdout", {}),
+    "gen24rep8": ({"n_generated": 24, "n_repeat": 8}, "holdout", {}),
+    "rep32": ({"n_generated": 0, "n_repeat": 32}, "holdout", {}),
+    "gcv": ({}, "gcv", {}),
+    "residual": ({}, "holdout", {"target": "residual"}),
+    "x2": ({"n_generated": 32, "n_repeat": 32}, "holdout", {}),
+    "x3": ({"n_generated": 48, "n_repeat": 48}, "holdout", {}),
+    "gen64": ({"n_generated": 64, "n_repeat": 0}, "holdout", {}),
+    "gen48rep16": ({"n_generated": 48, "n_repeat": 16}, "holdout", {}),
+    "len128": ({"length": 128}, "holdout", {}),
+    "x2_t07": ({"n_generated": 32, "n_repeat": 32, "temperature": 0.7}, "holdout", {}),
+    "x2_residual": ({"n_generated": 32, "n_repeat": 32}, "holdout", {"target": "residual"}),
+    "gen32_residual": ({"n_generated": 32, "n_repeat": 0}, "holdout", {"target": "residual"}),
+    "gen32_gcv": ({"n_generated": 32, "n_repeat": 0}, "gcv", {}),
+    "gen32_t07": ({"n_generated": 32, "n_repeat": 0, "temperature": 0.7}, "holdout", {}),
+    "x2_gcv": ({"n_generated": 32, "n_repeat": 32}, "gcv", {}),
+    "x3_residual": ({"n_generated": 48, "n_repeat": 48}, "holdout", {"target": "residual"}),
+    "am": ("baseline", "am", {}),
+    "grkv": ("baseline", "grkv", {}),
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--settings", default="base")
+    ap.add_argument("--contexts", type=int, default=2)
+    ap.add_argument("--offset", type=int, default=4096)
+    ap.add_argument("--no-tasq", action="store_true")
+    args = ap.parse_args(argv)
+    config = get_config("small")
+    model, tok = load(None)
+    heldout = tok.encode(data.corpus_text("heldout"))
+    cc = config.continuation
+    if args.offset < cc.context_len + cc.n_continuations * cc.continuation_len:
+        sys.exit("--offset must lie past the test contexts' tokens")
+    dev = tasks.continuation_tasks(heldout, n_contexts=args.contexts,
+                                   context_len=cc.context_len,
+                                   n_continuations=cc.n_continuations,
+                                   continuation_len=cc.continuation_len, offset=args.offset)
+    quantizers = {} if args.no_tasq else ex.calibrate_quantizers(model, tok, config)
+    combos = [(n, b) for n in config.compressions for b in config.budgets]
+    combos += [(q, None) for q in quantizers]
+    nll = {}  # (setting, ctx, compression) -> (nll_sum, n, attn_err)
+    ref = reference_model(model)
+    full_contrib = {}
+    names = args.settings.split(",")
+    for ci, task in enumerate(dev):  # settings with the same probes share them
+        probed_by_cfg = {}
+        for name in names:
+            probe_over, selection, kwargs = SETTINGS[name]
+            baseline = probe_over == "baseline"
+            probe_cfg = ProbeConfig(**{**config.probes.to_dict(), "seed": config.seed,
+                                       **({} if baseline else probe_over)})
+            ridge_cfg = RidgeConfig(selection="holdout" if baseline else selection)
+            t0 = time.perf_counter()
+            if probe_cfg not in probed_by_cfg:
+                probed_by_cfg = {probe_cfg: probe_context(model, ex._calibration(task.context),
+                                                          probe_cfg)}
+            probed = probed_by_cfg[probe_cfg]
+            length = len(task.context)
+            if ci not in full_contrib:
+                ctx = session.ContextCache(probed.ref_states, length, None)
+                full = session.score_continuations(ref, ctx, task.continuations,
+                                                   attention=True)
+                full_contrib[ci] = full.attn_contrib
+                nll[("full", ci, "full")] = (full.nll * full.n_tokens, full.n_tokens, 0.0)
+            for comp, ratio in combos:
+                if baseline and ratio is None:
+                    continue
+                key = f"{comp}@{ratio}" if ratio is not None else comp
+                if ratio is not None:
+                    m, states = ex.compressed_states(model, comp, ratio, probed)
+                else:
+                    m, states = ex.prefilled(
+                        calibrate_and_apply(quantizers[comp], model, None)[0], probed)
+                methods = [selection if baseline else "patchkv"]
+                if ("none", ci, key) not in nll:
+                    methods = ["none"] + methods
+                variants = ex.make_variants(m, states, probed, methods, ridge_cfg, kwargs)
+                for meth, v in variants.items():
+                    s = ex.score_continuation(v, length, task, full_contrib[ci])
+                    tag = "none" if meth == "none" else name
+                    nll[(tag, ci, key)] = (s["nll_sum"], s["n"], s["attn_err"])
+                    print(json.dumps({"setting": tag, "ctx": ci, "comp": key,
+                                      "ppl": math.exp(s["nll_sum"] / s["n"]),
+                                      "attn_err": s["attn_err"],
+                                      **({k: v["summary"][k] for k in
+                                          ("layers_patched", "val_err_before",
+                                           "val_err_after")} if "summary" in v else {})}),
+                          flush=True)
+            print(f"# {name} ctx {ci}: {time.perf_counter() - t0:.0f}s", flush=True)
+        print(table(nll, len(dev), names), flush=True)
+
+
+def pooled(nll, tag, n_ctx, key):
+    parts = [nll.get((tag, ci, key)) for ci in range(n_ctx)]
+    if any(p is None for p in parts):
+        return math.nan, math.nan
+    return (math.exp(sum(p[0] for p in parts) / sum(p[1] for p in parts)),
+            float(np.mean([p[2] for p in parts])))
+
+
+def table(nll, n_ctx, names):
+    keys = sorted({k for (_, _, k) in nll if k != "full"})
+    full, _ = pooled(nll, "full", n_ctx, "full")
+    lines = [f"| setting | {' | '.join(keys)} |", "|---" * (len(keys) + 1) + "|"]
+    for name in ["none"] + names:
+        cells = []
+        for k in keys:
+            ppl, err = pooled(nll, name, n_ctx, k)
+            none, _ = pooled(nll, "none", n_ctx, k)
+            gap = (none - ppl) / (none - full) if name != "none" else math.nan
+            cells.append(f"{ppl:.2f} ({gap:.0%}, err {err:.3f})" if name != "none"
+                         else f"{ppl:.2f} (err {err:.3f})")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    lines.append(f"full ppl {full:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
