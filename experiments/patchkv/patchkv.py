@@ -8,8 +8,9 @@ Hardware:  small = CPU (1 continuation context of 512 tokens with 8 continuation
            4 + 4 contexts of 1024 tokens (hours on CPU, minutes on an accelerator).
 Expected:  the claims table: PatchKV closes >= 50% of the continuation-perplexity gap
            between the compressed and the full cache at 10% and 25% (SnapKV,
-           StreamingLLM) and on the 1-bit TaSQ cache, and answers more retrieval questions than the unpatched press;
-           the patched decode step has the unpatched one's FLOPs and parameter shapes.
+           StreamingLLM) and on the 1-bit TaSQ cache, and answers more retrieval
+           questions than the unpatched press; the patched decode step has the
+           unpatched one's FLOPs and parameter shapes.
 """
 import ml_collections
 

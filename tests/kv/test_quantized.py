@@ -177,7 +177,7 @@ def _random_cq(seed, **static):
     rng = np.random.default_rng(seed)
     g, k = 4, 16
     book = lambda: jnp.asarray(rng.normal(size=(HKV, D // g, k, g)), jnp.float32)  # noqa
-    perm = lambda: jnp.asarray(np.stack([rng.permutation(D) for _ in range(HKV)]), jnp.int32)  # noqa
+    perm = lambda: jnp.asarray(np.stack([rng.permutation(D) for _ in range(HKV)]))  # noqa
     return CQKVCache(book(), book(), key_perm=perm(), value_perm=perm(), **static)
 
 
