@@ -11,7 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from experiments import common
-from kernels_pallas.vq_attention import KeyRope, vq_decode_attention_reference
+from kernels_pallas.vq_attention import vq_decode_attention_reference
 from research import data
 from research.eval.perplexity import perplexity
 from research.kv import memory
@@ -98,8 +98,9 @@ def _code_reader(cache):
     """Decode-attention read of `cache`'s codes (XLA): lookup tables for post-RoPE codes, the
     blockwise rebuild + rotate path for pre-RoPE codes (CQKVCache)."""
     if isinstance(cache, CQKVCache):
-        rope = KeyRope.from_permutation(cache.key_perm, cache.rope_theta)
-        read = functools.partial(vq_decode_attention_reference, key_rope=rope,
+        head_dim = cache.key_codebook.shape[1] * cache.key_codebook.shape[3]
+        read = functools.partial(vq_decode_attention_reference,
+                                 key_rope=cache.key_rope(head_dim),
                                  block=cache.block)
     else:
         read = vq_decode_attention_reference

@@ -157,6 +157,11 @@ def _lengths_spec(backend: str):
     return pl.BlockSpec((1,), lambda b, h, s: (b,)), lambda ref: ref[0]
 
 
+def _codebook_head(hc: int, hkv: int):
+    """Codebook block index of KV head h: its own, or the one shared codebook."""
+    return (lambda h: h) if hc == hkv else (lambda h: 0)
+
+
 def _lut_inputs(q, k_codebook, hkv, sm_scale, rows):
     """(refs, specs) of post-RoPE key scoring: LUT [B, Hkv, G, R, K]."""
     lut = lookup_tables(q[:, None], k_codebook, hkv, sm_scale)  # [B, Hkv, gq, G, K]
@@ -181,7 +186,7 @@ def _rope_inputs(q, k_codebook, key_rope: KeyRope, hkv, sm_scale, rows, gp):
 
     omega = jnp.pad(rope.omega.reshape(hkv, n_groups, 1, gs), ((0, 0),) * 3 + ((0, gp - gs),))
     kcb = jnp.pad(k_codebook.astype(jnp.float32), ((0, 0),) * 3 + ((0, gp - gs),))
-    cb_head = (lambda h: h) if hc == hkv else (lambda h: 0)
+    cb_head = _codebook_head(hc, hkv)
     q_spec = pl.BlockSpec((None, None, n_groups, rows, gp), lambda i, h, j: (i, h, 0, 0, 0))
     specs = [q_spec, q_spec,
              pl.BlockSpec((None, n_groups, 1, gp), lambda i, h, j: (h, 0, 0, 0)),
@@ -218,7 +223,7 @@ def vq_decode_attention_pallas(q, k_codes, v_codes, k_codebook, v_codebook, leng
     k_codes = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, pad_s),))
     v_codes = jnp.pad(v_codes, ((0, 0),) * 3 + ((0, pad_s),))
     vcb = jnp.pad(v_codebook.astype(jnp.float32), ((0, 0),) * 3 + ((0, gp - gs),))
-    cb_head = (lambda h: h) if hc == hkv else (lambda h: 0)
+    cb_head = _codebook_head(hc, hkv)
     len_spec, read_length = _lengths_spec(backend)
 
     kernel = functools.partial(_vq_decode_kernel, key_scores=key_scores,

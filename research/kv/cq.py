@@ -71,8 +71,8 @@ class CQKVCache(KVCache):
         v_codes = encode(self._permute(v, self.value_perm), self.value_codebook)
         state = {"k_codes": scatter_codes(state["k_codes"], slots, k_codes),
                  "v_codes": scatter_codes(state["v_codes"], slots, v_codes)}
-        key_perm = jnp.arange(d)[None] if self.key_perm is None else self.key_perm
-        key_rope = KeyRope.from_permutation(key_perm, self.rope_theta)
+        key_perm = self._key_order(d)
+        key_rope = self.key_rope(d)
         qp = permute_channels(q, key_perm)
         if self.implementation == "pallas" and t == 1 and window is None:
             out = vq_decode_attention(qp[:, 0], state["k_codes"], state["v_codes"],
@@ -88,6 +88,13 @@ class CQKVCache(KVCache):
         out = self._unpermute(out, self.value_perm)
         # A row whose K/V were not finite got junk codes: poison it rather than hide it.
         return jnp.where(bad_rows[:, None, None, None], jnp.nan, out).astype(q.dtype), state
+
+    def _key_order(self, head_dim: int) -> Array:
+        return jnp.arange(head_dim)[None] if self.key_perm is None else self.key_perm
+
+    def key_rope(self, head_dim: int) -> KeyRope:
+        """RoPE tables of the coded keys, in the codec's channel order."""
+        return KeyRope.from_permutation(self._key_order(head_dim), self.rope_theta)
 
     @staticmethod
     def _permute(x, perm):
