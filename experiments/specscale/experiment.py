@@ -31,8 +31,8 @@ def methods(config) -> list[S.SearchConfig]:
     out = [S.single_sample(greedy=True, **lim), S.single_sample(**lim),
            S.best_of_n(config.best_of_n, **lim), S.beam_search(w, e, **lim),
            S.specscale(w, e, **spec, **lim)]
-    flips = {"+defer": dict(defer=2), "-defer": dict(defer=1),
-             "-reject": dict(reject_below=None),
+    flips = {"+defer": dict(defer=2, reject_below=-1.5), "-defer": dict(defer=1),
+             "+reject": dict(reject_below=-1.5), "-reject": dict(reject_below=None),
              "-prune": dict(prune_margin=None, prune_token_logp=None),
              "-dedup": dict(dedup=False)}
     for name in config.ablations:
@@ -103,6 +103,10 @@ def run_interleaved(ctx, problems, cfgs, config) -> dict[str, S.SearchResult]:
     from tqdm.auto import tqdm
     g = config.group_size
     groups = [problems[i:i + g] for i in range(0, len(problems), g)]
+    if config.get("warmup_pass", False):  # compile every batch shape; results discarded
+        for group in tqdm(groups, desc="warm-up pass"):
+            for cfg in cfgs:
+                S.run_search(ctx, group, cfg, seed=config.seed, group_size=g)
     parts: dict[str, list] = {c.label: [] for c in cfgs}
     with tqdm(total=len(groups) * len(cfgs), desc="groups x methods") as bar:
         for group in groups:
@@ -165,6 +169,7 @@ def make_claims(config, results, beam, spec, memory, auroc, n_steps):
                      f"(specscale {1 / share_ratio:.2f}x)", share_ratio >= 2.0),
     ]
     n = len(single.problems)
+    same_text = sum(a.text == b.text for a, b in zip(spec.problems, beam.problems))
     half = max(wilson_interval(round(a * n), n)[1] - a for a in acc.values())
     notes = [
         f"single sample = one path at the search temperature ({config.engine.temperature}); "
@@ -176,6 +181,9 @@ def make_claims(config, results, beam, spec, memory, auroc, n_steps):
         "problems/s excludes JAX compile time (measured with jax.monitoring and subtracted); "
         "wall_s includes it; methods run interleaved group by group in one process, so "
         "load from other jobs on the machine affects all of them alike",
+        f"SpecScale's final text equals beam search's on {same_text}/{n} problems "
+        "(dedup keeps beam search's decisions; pruning / rejection / deferral may change "
+        "them)",
         f"beam without prefix sharing gives the same texts as with sharing: "
         f"{memory[2]['texts'] == memory[0]['texts']} (block copies: "
         f"{memory[2]['block_copies']} vs {memory[0]['block_copies']})",

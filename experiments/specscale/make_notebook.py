@@ -49,22 +49,29 @@ CELLS = [
         "## 3. Search on one shared paged pool\n"
         "The generator prompt and the verifier prompt are prefilled once; every problem "
         "and every candidate forks them. `stats` counts model calls, tokens, verifier "
-        "judgements and the peak number of KV blocks."),
+        "judgements and the peak number of KV blocks. Dedup alone makes beam search's "
+        "decisions on the same seed (each merged path keeps its own sampling lineage), "
+        "so its texts equal beam search's at a fraction of the tokens."),
     new_code_cell(
         "from research.specscale import PagedEngine, SearchContext, run_search, single_sample, "
         "beam_search, specscale\n"
-        "engine = PagedEngine(model, n_blocks=512, block_size=16, max_len=512, temperature=0.8)\n"
+        "engine = PagedEngine(model, n_blocks=512, block_size=16, max_len=512, temperature=0.5)\n"
         "ctx = SearchContext(engine, tokenizer, task)\n"
         "print('shared prompts hold', engine.blocks_in_use, 'blocks of', engine.block_bytes, "
         "'bytes')\n"
         "limits = dict(max_lines=4, max_line_tokens=16)\n"
-        "for cfg in [single_sample(**limits), beam_search(1, 2, **limits), "
-        "specscale(1, 2, **limits)]:\n"
+        "dedup_only = specscale(2, 4, reject_below=None, prune_margin=None, "
+        "prune_token_logp=None, name='dedup only', **limits)\n"
+        "texts = {}\n"
+        "for cfg in [single_sample(**limits), beam_search(2, 4, **limits), dedup_only, "
+        "specscale(2, 4, **limits)]:\n"
         "    r = run_search(ctx, problems, cfg, group_size=2)\n"
+        "    texts[cfg.label] = [p.text for p in r.problems]\n"
         "    keys = ('generated_tokens', 'tokens_computed', 'verifier_judgements', "
         "'peak_kv_blocks')\n"
         "    print(f'{cfg.label:16s} acc={r.accuracy:.2f}', {k: r.stats[k] for k in keys})\n"
-        "    print('   ', [p.text for p in r.problems])"),
+        "    print('   ', texts[cfg.label])\n"
+        "print('dedup only == beam search:', texts['dedup only'] == texts['beam 2x4'])"),
     new_markdown_cell("## 4. The Pallas paged decode-attention kernel (interpret mode on CPU)"),
     new_code_cell(
         "import jax.numpy as jnp, numpy as np\n"

@@ -15,9 +15,12 @@ prompt and of their common prefix; `share_prefix=False` makes forks copy all blo
 (the no-sharing baseline). `truncate` rolls a sequence back (rejected speculative steps).
 
 Sampling randomness is per sequence: each sequence has a lineage key (a child's is
-derived from its parent's and a salt), and the token at position p is drawn with
-fold_in(lineage key, p). A sequence's samples therefore do not depend on which other
-sequences share its batch, so search variants are comparable on the same seeds.
+`child_key(parent's, salt)`), and the token at position p is drawn with a key derived from
+(lineage key, p) by inverse-CDF sampling (one uniform per draw: drawing many tokens from
+one row costs a cumulative sum, not a Gumbel vector per draw). A sequence's samples
+therefore do not depend on which other sequences share its batch, and `draw` can advance
+several lineages on one model row and give each exactly the token it would have drawn as
+its own sequence: search variants are comparable on the same seeds.
 
 Shapes are bucketed (rows to a multiple of `row_multiple`, chunk length and block-table
 width to powers of two, chunks to multiples of 8) to bound recompilation; `warmup` compiles the buckets up front.
@@ -113,8 +116,12 @@ class PagedEngine:
             child, copies = self.manager.fork_copy(seq)
             self._copy(copies)
         self._tokens[child] = list(self._tokens[seq])
-        self._keys[child] = _key_data(np.concatenate([self._keys[seq], [salt]]))
+        self._keys[child] = child_key(self._keys[seq], salt)
         return child
+
+    def key(self, seq: int) -> np.ndarray:
+        """The sequence's lineage key (two uint32 words)."""
+        return self._keys[seq].copy() if seq in self._keys else self._missing(seq)
 
     def free(self, seq: int) -> None:
         self.manager.free(seq)
@@ -174,28 +181,34 @@ class PagedEngine:
         temperature: None = the engine's; 0 = greedy.
         Returns (tokens [n], log-probabilities under the model at temperature 1 [n]).
         """
-        toks, logps = self.draw(seqs, 1, tag, temperature)
+        rows = [(s, len(self._tokens[s]) - self.manager.length(s)) for s in seqs]
+        toks, logps = self._run(rows, "sample", tag, temperature,
+                                [[self._keys[s]] for s in seqs])
         for s, t in zip(seqs, toks[:, 0]):
             self._tokens[s].append(int(t))
         self.stats.sampled_tokens += len(seqs)
         return toks[:, 0], logps[:, 0]
 
-    def draw(self, seqs: Sequence[int], n_draws: int, tag: str = "sample",
-             temperature: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Compute all pending tokens and draw `n_draws` independent next tokens per
-        sequence from the same distribution, appending none (the caller branches).
+    def draw(self, seqs: Sequence[int], lineages: Sequence[Sequence[np.ndarray]],
+             tag: str = "sample", temperature: float | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Compute all pending tokens and draw one next token per lineage key, appending
+        none (the caller branches).
 
-        Draw 0 is the token `sample` would append. One model row serves all draws: this
-        is how a bundle of identical paths is advanced at the cost of one path.
-        Returns (tokens [n, n_draws], log-probabilities at temperature 1 [n, n_draws]).
+        lineages[i]: lineage keys (see `key`, `child_key`) of the paths that sequence i
+        stands for. Draw j is exactly the token `sample` would append to a sequence with
+        the same tokens and lineage `lineages[i][j]`: one model row serves many identical
+        paths (a dedup bundle) without changing what any of them samples.
+        Returns (tokens [n, max draws], log-probabilities at temperature 1 [n, max draws]);
+        entries past a row's own number of lineages are padding.
         """
-        if n_draws < 1:
-            raise ValueError(f"n_draws must be >= 1, got {n_draws}")
+        if len(lineages) != len(seqs):
+            raise ValueError(f"lineages must have one entry per sequence ({len(seqs)}), got "
+                             f"{len(lineages)}")
+        if any(len(x) < 1 for x in lineages):
+            raise ValueError("every sequence needs at least one lineage key to draw with")
         rows = [(s, len(self._tokens[s]) - self.manager.length(s)) for s in seqs]
-        # draws beyond n_draws are free (one row's logits); bucketing to >= 8 keeps the
-        # number of compiled shapes small
-        toks, logps = self._run(rows, "sample", tag, temperature, _pow2(n_draws, minimum=8))
-        return toks[:, :n_draws], logps[:, :n_draws]
+        return self._run(rows, "sample", tag, temperature, lineages)
 
     def warmup(self, shapes: Iterable[tuple[str, int, int, int]],
                temperature: float | None = None) -> None:
@@ -205,16 +218,15 @@ class PagedEngine:
             r, t, m = self._row_bucket(rows), _chunk_bucket(t), self._table_bucket(m)
             table = np.full((r, m), -1, np.int32)
             zeros = np.zeros((r,), np.int32)
-            aux = (np.zeros((r, 2), np.uint32) if mode == "sample"
+            aux = (np.zeros((r, 1, 2), np.uint32) if mode == "sample"
                    else np.zeros((r, t), np.int32))
             self.pools, out = _forward(self.model, self.pools, table, np.zeros((r, t), np.int32),
-                                       zeros, zeros, aux, mode=mode,
-                                       temperature=temperature, n_draws=1)
+                                       zeros, zeros, aux, mode=mode, temperature=temperature)
             jax.block_until_ready(out)
 
     # -- internals --------------------------------------------------------------------
     def _run(self, rows: list[tuple[int, int]], mode: str, tag: str,
-             temperature: float | None = None, n_draws: int = 1):
+             temperature: float | None = None, lineages=None):
         temperature = self.temperature if temperature is None else float(temperature)
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -232,19 +244,23 @@ class PagedEngine:
         tokens = np.zeros((r, t), np.int32)
         n_new = np.zeros((r,), np.int32)
         start = np.zeros((r,), np.int32)
-        aux = np.zeros((r, 2), np.uint32) if mode == "sample" else np.zeros((r, t), np.int32)
+        if mode == "sample":  # one key per draw; draw counts bucketed to bound recompiles
+            aux = np.zeros((r, _pow2(max(map(len, lineages))), 2), np.uint32)
+        else:
+            aux = np.zeros((r, t), np.int32)
         for i, ((s, n), p) in enumerate(zip(rows, starts)):
             toks = self._tokens[s]
             tokens[i, :n] = toks[p:p + n]
             n_new[i], start[i] = n, p
             if mode == "sample":
-                aux[i] = _fold(self._keys[s], p + n)
+                for j, key in enumerate(lineages[i]):
+                    aux[i, j] = _fold(key, p + n)
             elif mode == "score":
                 aux[i, :n] = toks[p + 1:p + n + 1]
         table = np.full((r, m), -1, np.int32)
         table[:len(rows)] = self.manager.block_table(seqs)[:, :m]
         self.pools, out = _forward(self.model, self.pools, table, tokens, start, n_new, aux,
-                                   mode=mode, temperature=temperature, n_draws=n_draws)
+                                   mode=mode, temperature=temperature)
         self.stats.forward_calls[tag] += 1
         self.stats.tokens_computed[tag] += int(n_new.sum())
         self.stats.padded_tokens += r * t
@@ -302,15 +318,19 @@ def _key_data(entropy: np.ndarray) -> np.ndarray:
     return np.random.SeedSequence([int(x) for x in entropy]).generate_state(2, np.uint32)
 
 
+def child_key(key: np.ndarray, salt: int) -> np.ndarray:
+    """The lineage key of a fork of a sequence with lineage `key` (what `fork` assigns)."""
+    return _key_data(np.concatenate([key, [salt]]))
+
+
 def _fold(key: np.ndarray, position: int) -> np.ndarray:
     return np.random.SeedSequence([int(key[0]), int(key[1]), position]).generate_state(
         2, np.uint32)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "temperature", "n_draws"),
-                   donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("mode", "temperature"), donate_argnums=(1,))
 def _forward(model: Model, pools: tuple, table, tokens, start, n_new, aux, *, mode: str,
-             temperature: float, n_draws: int):
+             temperature: float):
     """One forward pass through the paged caches; returns (new pools, mode's outputs)."""
     table = jnp.asarray(table)
     states = tuple({"k": k, "v": v, "block_table": table} for k, v in pools)
@@ -322,18 +342,23 @@ def _forward(model: Model, pools: tuple, table, tokens, start, n_new, aux, *, mo
     logp = jax.nn.log_softmax(out.logits, axis=-1)
     if mode == "score":  # aux: next-token targets [R, T]
         return new_pools, jnp.take_along_axis(logp, aux[..., None], axis=-1)[..., 0]
-    tok = _draw_tokens(out.logits, aux, temperature, n_draws)  # [R, n_draws]
+    tok = _draw_tokens(out.logits, aux, temperature)  # aux: key words [R, D, 2]
     return new_pools, (tok, jnp.take_along_axis(logp, tok, axis=-1))
 
 
-def _draw_tokens(logits, key_words, temperature: float, n_draws: int):
-    """[R, n_draws] tokens; draw i of a row uses fold_in(row key, i) (draw 0: the row key)."""
+def _draw_tokens(logits, key_words, temperature: float):
+    """[R, D] tokens, draw j of row i by inverse-CDF sampling with key_words[i, j].
+
+    One uniform per draw against the row's cumulative distribution: D draws cost one
+    cumsum over the vocabulary instead of D Gumbel vectors (measured ~50x cheaper for
+    64 rows x 8 draws over SmolLM2's 49k vocabulary on CPU).
+    """
     if temperature == 0:
-        return jnp.repeat(jnp.argmax(logits, axis=-1)[:, None], n_draws, 1).astype(jnp.int32)
-
-    def row(words, row_logits):
-        key = jax.random.wrap_key_data(words)
-        keys = [key] + [jax.random.fold_in(key, i) for i in range(1, n_draws)]
-        return jnp.stack([jax.random.categorical(k, row_logits / temperature) for k in keys])
-
-    return jax.vmap(row)(key_words, logits).astype(jnp.int32)
+        return jnp.broadcast_to(jnp.argmax(logits, axis=-1)[:, None],
+                                key_words.shape[:2]).astype(jnp.int32)
+    cdf = jnp.cumsum(jax.nn.softmax(logits.astype(jnp.float32) / temperature, axis=-1), -1)
+    keys = jax.random.wrap_key_data(key_words)
+    u = jax.vmap(jax.vmap(jax.random.uniform))(keys) * cdf[:, -1:]  # [R, D]
+    tok = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf, u)
+    # u < cdf[-1] so tok < V; the bound only guards float rounding in the last bin
+    return jnp.minimum(tok, logits.shape[-1] - 1).astype(jnp.int32)

@@ -20,11 +20,13 @@ at the first token containing a newline (or a stop token, or `max_line_tokens`).
     that; `prune_margin` drops it when its finished line is less likely (mean per token)
     than the best sibling line at that depth by more than the margin;
   * `dedup`: a candidate whose whole token path equals a live sibling's is merged into
-    it (its KV freed, its weight added to the twin's), so identical paths are generated,
-    stored and judged once. Merging removes computation, not search: a bundle of weight w
-    stands for w identical beams, takes w of the W beam slots and is expanded with w * E
-    samples, so the search is beam search's in distribution (when beam search would keep
-    two copies of one path, SpecScale keeps one bundle of weight 2).
+    it (its KV freed, its paths added to the twin's), so identical paths are generated,
+    stored and judged once. Merging removes computation, not search: a bundle stands for
+    w identical beams and carries each one's sampling lineage and beam rank; it takes w
+    of the W beam slots, its expansion draws each of the w * E children's tokens with
+    that child's own lineage key on one shared model row, and it splits only where those
+    draws differ. Dedup alone therefore makes beam search's decisions on the same seeds
+    (tested), at the cost of the distinct paths only.
   Shared prefixes are never recomputed in any method: children fork the parent's
   blocks (the `PagedEngine`), and verifier sequences fork the parent's judged prefix.
   Every method keeps at least one candidate per problem alive.
@@ -43,7 +45,7 @@ import jax
 import numpy as np
 
 from research.serving.generate import default_stop_tokens
-from research.specscale.engine import PagedEngine
+from research.specscale.engine import PagedEngine, child_key
 from research.specscale.verifier import LikelihoodVerifier
 
 METHODS = ("single", "best_of_n", "beam", "specscale")
@@ -108,12 +110,14 @@ def beam_search(beam_width: int, expand: int, **kw) -> SearchConfig:
 
 
 def specscale(beam_width: int, expand: int, *, defer: int = 1,
-              reject_below: float | None = -1.5, prune_margin: float | None = 2.0,
+              reject_below: float | None = None, prune_margin: float | None = 2.0,
               prune_token_logp: float | None = -6.0, dedup: bool = True,
               **kw) -> SearchConfig:
-    """SpecScale with the defaults tuned on a dev split (seed 1000) of the arithmetic task
-    on CPU: deferral (defer > 1) cut verifier calls there but not time, so it is off by
-    default; the ablations in experiments/specscale measure each switch."""
+    """SpecScale with the defaults chosen on a dev split (seed 1000) of the arithmetic task
+    on CPU: dedup on (it alone makes beam search's decisions at ~1/3 of the tokens),
+    early pruning on; deferral (defer > 1) cut verifier calls there but not time, and
+    rejection (reject_below) changed paths without changing accuracy or cost, so both are
+    off by default; the ablations in experiments/specscale measure each switch."""
     return SearchConfig(method="specscale", beam_width=beam_width, expand=expand,
                         defer=defer, reject_below=reject_below, prune_margin=prune_margin,
                         prune_token_logp=prune_token_logp, dedup=dedup,
@@ -159,7 +163,18 @@ class Candidate:
     cur_logp: list[float] = dataclasses.field(default_factory=list)
     finished: bool = False
     alive: bool = True
-    weight: int = 1  # identical paths merged into this one (dedup)
+    # the identical paths this candidate stands for (several only with dedup), each as
+    # (beam rank, sampling lineage key): what beam search would hold as separate beams
+    paths: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
+
+    @property
+    def weight(self) -> int:
+        return len(self.paths)
+
+    @property
+    def rank(self) -> int:
+        """Beam search's order of this path among its siblings (ties broken by it)."""
+        return self.paths[0][0]
 
     @property
     def n_judged(self) -> int:
@@ -199,6 +214,7 @@ class _Searcher:
         self.engine, self.verifier = ctx.engine, ctx.verifier
         self.judged: list[tuple[int, list[str], float]] = []  # (uid, lines so far, score)
         self.generated = 0  # tokens appended to candidate paths (a bundle's count once)
+        self._ranks = iter(range(1 << 62))  # beam search's creation order of children
 
     # lifecycle helpers
     def _drop(self, c: Candidate) -> None:
@@ -207,24 +223,27 @@ class _Searcher:
             self.verifier.free(c.ver)
             c.alive = False
 
-    def _copy(self, parent: Candidate, salt: int, weight: int) -> Candidate:
+    def _copy(self, parent: Candidate, salt: int, paths: list) -> Candidate:
         """A new candidate on the same path (KV shared copy-on-write, nothing recomputed)."""
         return dataclasses.replace(
-            parent, gen=self.engine.fork(parent.gen, salt=salt), weight=weight,
+            parent, gen=self.engine.fork(parent.gen, salt=salt), paths=paths,
             ver=self.verifier.fork(parent.ver), lines=[list(x) for x in parent.lines],
             line_ends=list(parent.line_ends), gen_scores=list(parent.gen_scores),
             ver_scores=list(parent.ver_scores), cur=list(parent.cur),
             cur_logp=list(parent.cur_logp))
 
     def _children(self, parent: Candidate, k: int) -> list[Candidate]:
-        """k samples continue from each of the `parent.weight` identical paths `parent`
-        stands for: k forks, or one bundle of weight k * parent.weight (dedup)."""
+        """k samples continue from each of the identical paths `parent` stands for: k
+        forks, or (dedup) one bundle of all the children, each child keeping the lineage
+        key its own fork would get, so it samples exactly what that fork would."""
+        kids = [(next(self._ranks), child_key(key, e)) for _, key in parent.paths
+                for e in range(k)]
         if self.cfg.dedup:
-            parent.weight *= k
+            parent.paths = kids
             return [parent]
-        kids = [self._copy(parent, salt=e, weight=1) for e in range(k)]
+        forks = [self._copy(parent, salt=e, paths=[kid]) for e, kid in enumerate(kids)]
         self._drop(parent)
-        return kids
+        return forks
 
     def _roots(self, problems) -> list[Candidate]:
         ver = self.verifier.start_problems(problems)
@@ -232,7 +251,8 @@ class _Searcher:
         for slot, (p, v) in enumerate(zip(problems, ver)):
             gen = self.engine.fork(self.ctx.root, salt=self.seed * 1_000_003 + p.uid)
             self.engine.extend(gen, self.ctx.tokenizer.encode(self.ctx.task.problem_prompt(p)))
-            roots.append(Candidate(slot=slot, gen=gen, ver=v))
+            roots.append(Candidate(slot=slot, gen=gen, ver=v,
+                                   paths=[(next(self._ranks), self.engine.key(gen))]))
         self.engine.prefill([c.gen for c in roots], tag="problem_prefill")
         return roots
 
@@ -240,10 +260,11 @@ class _Searcher:
     def _generate(self, cands: list[Candidate], k: int) -> None:
         """Each live candidate writes up to k more lines (no barrier between lines).
 
-        With `dedup`, a candidate of weight w stands for w identical paths: one model row
-        draws w next tokens, and the bundle splits (forks sharing its KV) only where the
-        draws differ, so identical prefixes are computed once while the sampled paths keep
-        the distribution of w independent samples. Branches are appended to `cands`.
+        With `dedup`, a candidate stands for several identical paths: one model row draws
+        each path's next token with the path's own lineage key, and the bundle splits
+        (forks sharing its KV) only where the draws differ, so identical prefixes are
+        computed once and every path samples what it would alone. Branches are appended
+        to `cands`.
         """
         self._live = cands
         goal = {id(c): len(c.lines) + k for c in cands}
@@ -263,21 +284,21 @@ class _Searcher:
 
     def _draw_bundles(self, active, cands, goal) -> list[tuple[Candidate, int, float]]:
         draws, logps = self.engine.draw([c.gen for c in active],
-                                        max(c.weight for c in active), tag="generate",
-                                        temperature=self.cfg.temperature)
+                                        [[key for _, key in c.paths] for c in active],
+                                        tag="generate", temperature=self.cfg.temperature)
         steps = []
         for c, row, lps in zip(active, draws.tolist(), logps.tolist()):
-            counts: dict[int, list] = {}
-            for t, lp in zip(row[:c.weight], lps[:c.weight]):
-                counts.setdefault(t, [0, lp])[0] += 1
-            (t0, (n0, lp0)), *rest = counts.items()
+            split: dict[int, list] = {}  # token -> (log-prob, paths that drew it, in order)
+            for path, t, lp in zip(c.paths, row, lps):
+                split.setdefault(t, [lp, []])[1].append(path)
+            (t0, (lp0, paths0)), *rest = split.items()
             steps.append((c, t0, lp0))
-            for t, (n, lp) in rest:  # fork before `c` extends: the branches share its KV
-                kid = self._copy(c, salt=t, weight=n)
+            for t, (lp, paths) in rest:  # fork before `c` extends: branches share its KV
+                kid = self._copy(c, salt=t, paths=paths)
                 cands.append(kid)
                 goal[id(kid)] = goal[id(c)]
                 steps.append((kid, t, lp))
-            c.weight = n0
+            c.paths = paths0
         for c, t, _ in steps:
             self.engine.extend(c.gen, [t])
         return steps
@@ -317,7 +338,7 @@ class _Searcher:
             key = (c.slot, tuple(t for line in c.lines for t in line))
             twin = seen.get(key)
             if twin is not None and twin.alive and twin is not c:
-                twin.weight += c.weight
+                twin.paths = sorted(twin.paths + c.paths, key=lambda p: p[0])
                 self._drop(c)
                 return
             seen[key] = c
@@ -399,14 +420,13 @@ class _Searcher:
 
     def _select(self, kids, done) -> dict[int, list[Candidate]]:
         live: dict[int, list[Candidate]] = {}
-        for c in kids:
-            if not c.alive:
-                continue
+        for c in sorted((c for c in kids if c.alive), key=lambda c: c.rank):
             (done[c.slot] if c.finished else live.setdefault(c.slot, [])).append(c)
         for slot in list(live):
-            ranked = sorted(live[slot], key=lambda c: (c.score, c.weight), reverse=True)
-            # beam slots count paths: a dedup bundle of weight w fills w of them (without
-            # dedup every weight is 1 and this is plain top-W)
+            # best score first, ties in beam search's order of the children
+            ranked = sorted(live[slot], key=lambda c: (-c.score, c.rank))
+            # beam slots count paths: a dedup bundle of w paths fills w of them, keeping
+            # the paths beam search would keep (without dedup this is plain top-W)
             finished = sum(c.weight for c in done[slot])
             room = 0 if finished >= self.cfg.beam_width else self.cfg.beam_width
             keep = []
@@ -414,7 +434,7 @@ class _Searcher:
                 if room <= 0:
                     self._drop(c)
                     continue
-                c.weight = min(c.weight, room)
+                c.paths = c.paths[:room]
                 room -= c.weight
                 keep.append(c)
             live[slot] = keep

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from research.specscale import search as S
-from research.specscale.engine import PagedEngine
+from research.specscale.engine import PagedEngine, child_key
 from research.tasks import ArithmeticChains
 
 TASK = ArithmeticChains(n_shots=1, verifier_shots=2)
@@ -115,20 +115,53 @@ def test_config_validation():
 
 
 def test_dedup_bundles_fill_beam_slots_by_weight(ctx, problems):
-    """A bundle of w identical paths holds w beam slots (beam search would keep w copies)
-    and its next expansion draws w * E samples; without dedup it is plain top-W."""
+    """A bundle of w identical paths holds w beam slots (beam search would keep w copies,
+    the first w in its order) and its next expansion carries w * E child lineages; without
+    dedup it is plain top-W."""
     searcher = S._Searcher(ctx, S.specscale(2, 3, **LIMITS), 0, problems)
     searcher._drop = lambda c: setattr(c, "alive", False)  # no engine sequences here
+    ranks = iter(range(100))
 
     def cand(score, weight):
-        return S.Candidate(slot=0, gen=-1, ver=-1, ver_scores=[score], weight=weight)
+        paths = [(next(ranks), np.array([i, 7], np.uint32)) for i in range(weight)]
+        return S.Candidate(slot=0, gen=-1, ver=-1, ver_scores=[score], paths=paths)
 
     best, second, third = cand(-1.0, 3), cand(-2.0, 1), cand(-3.0, 1)
+    first_two = best.paths[:2]
     live = searcher._select([third, best, second], {0: []})
-    assert live[0] == [best] and best.weight == 2  # two slots, both taken by the bundle
+    assert live[0] == [best] and best.paths == first_two  # both slots taken by the bundle
     assert not second.alive and not third.alive
     assert searcher._children(best, 3) == [best] and best.weight == 6
+    assert [k.tolist() for _, k in best.paths] == [
+        child_key(key, e).tolist() for _, key in first_two for e in range(3)]
     a, b, c = cand(-1.0, 1), cand(-2.0, 1), cand(-3.0, 1)
     assert searcher._select([c, a, b], {0: []})[0] == [a, b] and not c.alive
+    tie_late, tie_early = cand(-1.0, 1), cand(-9.0, 1)
+    tie_early.paths[0] = (-1, tie_early.paths[0][1])  # created first by beam search
+    tie_early.ver_scores = [-1.0]
+    assert searcher._select([tie_late, tie_early], {0: []})[0] == [tie_early, tie_late]
     done = [cand(-0.5, 2)]  # W finished paths end the problem's search
     assert searcher._select([cand(-1.0, 1)], {0: done})[0] == []
+
+
+@pytest.mark.parametrize("width,expand", [(2, 3), (1, 4)])
+def test_dedup_alone_makes_beam_search_decisions_at_less_cost(char_model, char_tokenizer,
+                                                              problems, width, expand):
+    """Same seeds: dedup reproduces beam search's paths and scores exactly (every child
+    draws with its own lineage key) while generating and judging each distinct path once.
+    A low temperature makes the random model repeat itself, so there is work to merge."""
+    engine = PagedEngine(char_model, n_blocks=800, block_size=8, max_len=512, temperature=0.03)
+    ctx = S.SearchContext(engine, char_tokenizer, TASK)
+    beam = S.run_search(ctx, problems, S.beam_search(width, expand, **LIMITS), seed=5)
+    dedup = S.run_search(ctx, problems, S.specscale(width, expand, reject_below=None,
+                                                    prune_margin=None, prune_token_logp=None,
+                                                    dedup=True, **LIMITS), seed=5)
+    assert [p.text for p in beam.problems] == [p.text for p in dedup.problems]
+    assert [p.score for p in beam.problems] == pytest.approx(
+        [p.score for p in dedup.problems], abs=1e-5)
+    for key in ("generated_tokens", "tokens_computed"):
+        assert dedup.stats[key] < beam.stats[key], key
+    for key in ("verifier_judgements", "peak_kv_blocks"):
+        assert dedup.stats[key] <= beam.stats[key], key
+    ctx.close()
+    assert engine.blocks_in_use == 0

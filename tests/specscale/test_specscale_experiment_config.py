@@ -1,0 +1,28 @@
+"""The SpecScale experiment's method list: defaults, ablation flips, bad names."""
+import pytest
+
+from experiments.specscale import experiment as X
+from experiments.specscale import specscale as config_module
+
+
+@pytest.mark.parametrize("arg", ["small", "full"])
+def test_methods_are_the_baselines_then_specscale_and_its_ablations(arg):
+    c = config_module.get_config(arg)
+    cfgs = {m.label: m for m in X.methods(c)}
+    assert list(cfgs)[:5] == ["greedy", "single sample", "best-of-8", "beam 2x4",
+                              "specscale 2x4"]
+    spec = cfgs["specscale 2x4"]
+    assert spec.dedup and spec.defer == 1 and spec.reject_below is None
+    deferred = cfgs["specscale 2x4 +defer"]  # deferral comes with rollback of rejections
+    assert deferred.defer == 2 and deferred.reject_below is not None
+    assert len(cfgs) == 5 + len(c.ablations)
+    assert c.warmup_pass
+
+
+def test_unknown_ablation_is_an_error():
+    c = config_module.get_config("small")
+    c.ablations = ("+warp",)
+    with pytest.raises(ValueError, match="unknown ablation '\\+warp'"):
+        X.methods(c)
+    with pytest.raises(ValueError, match="'small' or 'full'"):
+        config_module.get_config("tiny")
