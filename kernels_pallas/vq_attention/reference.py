@@ -19,7 +19,10 @@ the bins are multiplied by the centroid table once.
 
 Keys coded before RoPE (TaSQ's pre-RoPE key space, CQ) cannot be scored through one table
 per query; `vq_attention_blockwise(..., key_rope=...)` rebuilds them one block at a time
-and rotates them at their positions (see rope.py), never a whole-context dense K.
+and rotates them at their positions (see rope.py), never a whole-context dense K. A single
+decode query takes `vq_decode_attention_pre_rope` instead: keys scored block by block, one
+softmax over the scores, values through the same per-code bins as above (values are not
+rotated, so no block of V is ever rebuilt).
 """
 from __future__ import annotations
 
@@ -110,12 +113,61 @@ def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Arra
     """One decode query per row over its first `lengths[b]` cached tokens (the kernel's
     oracle). Pre-RoPE codes (`key_rope`) take the blockwise path (no table can serve them)."""
     s = k_codes.shape[-1]
-    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :]  # [B, 1, S]
     if key_rope is not None:
-        return vq_attention_blockwise(q[:, None], k_codes, v_codes, k_codebook, v_codebook,
-                                      mask, block, sm_scale, key_rope)[:, 0]
+        return vq_decode_attention_pre_rope(q, k_codes, v_codes, k_codebook, v_codebook,
+                                            lengths, key_rope, block, sm_scale)
+    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :]  # [B, 1, S]
     return vq_attention_reference(q[:, None], k_codes, v_codes, k_codebook, v_codebook, mask,
                                   sm_scale)[:, 0]
+
+
+def vq_decode_attention_pre_rope(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
+                                 v_codes: UInt8[Array, "B Hkv G S"],
+                                 k_codebook: Float[Array, "Hc G K g"],
+                                 v_codebook: Float[Array, "Hc G K g"],
+                                 lengths: Int[Array, "B"], key_rope: KeyRope,
+                                 block: int = 512, sm_scale: float | None = None
+                                 ) -> Float[Array, "B Hq D"]:
+    """One decode query per row over pre-RoPE key codes, in two passes.
+
+    Pass 1 scores `block` keys at a time: the block's keys are gathered from the centroid
+    table straight into token-major [block, D] order (codes transposed as bytes first; a
+    float transpose of the rebuilt block was the single largest cost on XLA:CPU) and meet
+    the query through block-local cos/sin tables (see KeyRope.query_terms). Pass 2 is one
+    softmax over the [Hq, S] scores and the per-code value bins of the lookup-table path.
+    At most one block of dense keys and no dense values ever exist.
+    """
+    b, hq, d = q.shape
+    _, hkv, g, s = k_codes.shape
+    hc, _, kk, gs = k_codebook.shape
+    gq = hq // hkv
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    block = min(block, s)
+    n_blocks = -(-s // block)
+    codes = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, n_blocks * block - s),))
+    codes = codes.transpose(0, 1, 3, 2).reshape(b, hkv, n_blocks, block, g)
+    codes = jnp.moveaxis(codes, 2, 0)  # [n_blocks, B, Hkv, block, G]
+    table = k_codebook.astype(jnp.float32).reshape(hc * g * kk, gs)
+    head = jnp.arange(hkv)[:, None, None] if hc > 1 else 0
+    first_row = (head * g + jnp.arange(g)[None, None, :]) * kk  # [Hkv | 1, 1, G]
+    qg = q.astype(jnp.float32).reshape(b, hkv, gq, d) * sm_scale
+    cos_j, sin_j = (x.transpose(1, 0, 2)[None] for x in key_rope.cos_sin(jnp.arange(block)))
+
+    def block_scores(xs):  # -> [B, Hkv, gq, block]
+        block_codes, i = xs
+        keys = jnp.take(table, first_row + block_codes.astype(jnp.int32), axis=0)
+        keys = keys.reshape(b, hkv, block, d)
+        qa, qb = key_rope.query_terms(qg, i * block)  # [B, Hkv, gq, D] each
+        return (jnp.einsum("bkjd,bksd->bkjs", qa, keys * cos_j)
+                + jnp.einsum("bkjd,bksd->bkjs", qb, keys * sin_j))
+
+    scores = jax.lax.map(block_scores, (codes, jnp.arange(n_blocks)))
+    scores = jnp.moveaxis(scores, 0, 3).reshape(b, hkv, gq, n_blocks * block)[..., :s]
+    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+    weights = masked_softmax_weights(scores, mask)  # [B, Hkv, gq, S]
+    vcb = _codebook_for_heads(v_codebook, hkv)
+    per_head = jax.vmap(values_from_codes)  # over KV heads
+    return jax.vmap(per_head, in_axes=(0, 0, None))(weights, v_codes, vcb).reshape(b, hq, d)
 
 
 def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
@@ -151,8 +203,8 @@ def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B
     if key_rope is not None:
         # R(i * block + j) = R(i * block) R(j): the block's origin rotates the query, and
         # keys only meet cos/sin tables of the block-local offsets j (computed once).
-        ang = key_rope.angles(jnp.arange(block)).transpose(1, 0, 2)  # [Hkv, block, D]
-        cos_j, sin_j = by_group(jnp.cos(ang)), by_group(jnp.sin(ang))  # [Hkv, block, G, g]
+        cos_j, sin_j = (by_group(x.transpose(1, 0, 2))  # [Hkv, block, G, g]
+                        for x in key_rope.cos_sin(jnp.arange(block)))
 
     def scores(keys, i):  # keys [B, Hkv, G, block, g] -> [B, Hkv, gq, T, block]
         if key_rope is None:

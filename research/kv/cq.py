@@ -6,8 +6,9 @@ codebooks learnt by plain k-means: CQ's "uniform" centroid learning; its Fisher-
 variant needs per-token gradients and is not reproduced). Because the codes hold pre-RoPE
 keys, a per-query lookup table cannot serve every position: keys are rebuilt from the
 centroids one block at a time and rotated at their positions inside an online softmax
-(kernels_pallas/vq_attention: `vq_attention_blockwise` with a `KeyRope`, or the Pallas
-decode kernel), so no dense K/V of the whole context ever exists.
+(kernels_pallas/vq_attention: `vq_attention_blockwise` with a `KeyRope` for query chunks,
+`vq_decode_attention_pre_rope` or the Pallas kernel for decode steps), so no dense K/V of
+the whole context ever exists.
 
 The cache receives post-RoPE keys from the model, so it un-rotates them (RoPE by -position,
 exact up to float rounding) before encoding. `rope_theta` must be the model's.
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from kernels_pallas.vq_attention.api import vq_decode_attention
-from kernels_pallas.vq_attention.reference import vq_attention_blockwise
+from kernels_pallas.vq_attention.reference import (vq_attention_blockwise,
+                                                   vq_decode_attention_pre_rope)
 from kernels_pallas.vq_attention.rope import KeyRope
 from research.core.attention import attention_mask
 from research.core.pytree import pytree_dataclass, static_field
@@ -44,7 +46,7 @@ class CQKVCache(KVCache):
     check_finite: bool = static_field(default=False)  # as VQKVCache: raise inside jit too
     implementation: str = static_field(default="xla")  # "pallas": the kernel for decode steps
     interpret: bool = static_field(default=False)
-    block: int = static_field(default=256)  # tokens rebuilt per online-softmax step (XLA)
+    block: int = static_field(default=512)  # keys rebuilt per step of the XLA readers
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
@@ -74,11 +76,16 @@ class CQKVCache(KVCache):
         key_perm = self._key_order(d)
         key_rope = self.key_rope(d)
         qp = permute_channels(q, key_perm)
-        if self.implementation == "pallas" and t == 1 and window is None:
+        if t == 1 and window is None and self.implementation == "pallas":
             out = vq_decode_attention(qp[:, 0], state["k_codes"], state["v_codes"],
                                       self.key_codebook, self.value_codebook, start + n_new,
                                       implementation="pallas", interpret=self.interpret,
                                       key_rope=key_rope)[:, None].astype(jnp.float32)
+        elif t == 1 and window is None:  # XLA decode step: the two-pass reader
+            out = vq_decode_attention_pre_rope(
+                qp[:, 0].astype(jnp.float32), state["k_codes"], state["v_codes"],
+                self.key_codebook, self.value_codebook, start + n_new, key_rope,
+                self.block)[:, None]
         else:
             kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
             mask = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)

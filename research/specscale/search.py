@@ -37,6 +37,7 @@ it decision for decision (tested), which is what makes the ablation meaningful.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from typing import Sequence
@@ -214,7 +215,7 @@ class _Searcher:
         self.engine, self.verifier = ctx.engine, ctx.verifier
         self.judged: list[tuple[int, list[str], float]] = []  # (uid, lines so far, score)
         self.generated = 0  # tokens appended to candidate paths (a bundle's count once)
-        self._ranks = iter(range(1 << 62))  # beam search's creation order of children
+        self._ranks = itertools.count()  # beam search's creation order of children
 
     # lifecycle helpers
     def _drop(self, c: Candidate) -> None:

@@ -51,6 +51,16 @@ def test_query_terms_give_the_rotated_score():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_cos_sin_tables_equal_per_channel_trig_exactly():
+    rope = KeyRope.from_permutation(_perms(np.random.default_rng(2), 3, 64), THETA)
+    pos = jnp.arange(300) * 71  # angles up to ~2e4 radians
+    cos, sin = rope.cos_sin(pos)
+    ang = rope.angles(pos)
+    assert cos.shape == sin.shape == (300, 3, 64)
+    np.testing.assert_array_equal(cos, jnp.cos(ang))
+    np.testing.assert_array_equal(sin, jnp.sin(ang))
+
+
 def _inputs(seed, b, hkv, gq, n_groups, gs, s, n_codes, shared):
     rng = np.random.default_rng(seed)
     d = n_groups * gs
@@ -93,16 +103,20 @@ def test_blockwise_reference_and_kernel_match_dense(case):
     b, hkv, gq, g, gs, n_codes, s, bkv, bps, shared = case
     perm, x = _inputs(sum(case), b, hkv, gq, g, gs, s, n_codes, shared)
     want = jax.jit(functools.partial(_dense_oracle, perm))(x)
-    ref = vq_decode_attention(**x)  # xla: the blockwise path, block 512 > s
+    ref = vq_decode_attention(**x)  # xla: the two-pass reader, one block (512 > s)
     np.testing.assert_allclose(ref, want, rtol=2e-5, atol=2e-5)
+    args = [x[k] for k in ("q", "k_codes", "v_codes", "k_codebook", "v_codebook", "lengths")]
+    for block in (16, 48):  # several blocks, the last one ragged
+        ref = vq_decode_attention_reference(*args, key_rope=x["key_rope"], block=block)
+        np.testing.assert_allclose(ref, want, rtol=2e-5, atol=2e-5)
     out = vq_decode_attention(**x, implementation="pallas", interpret=True,
                               block_sizes=BlockSizes(block_kv=bkv, blocks_per_split=bps))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
 def test_far_positions_and_small_blocks():
-    """Positions past 2**14 (angles of thousands of radians) and a 16-token reference
-    block: both paths still match the model's RoPE."""
+    """Positions past 2**14 (angles of thousands of radians), 2048-token reference blocks
+    with a ragged tail: both paths still match the model's RoPE."""
     perm, x = _inputs(7, 1, 2, 2, 4, 4, 20000, 16, False)
     x["lengths"] = jnp.array([19990], jnp.int32)
     want = _dense_oracle(perm, x)
