@@ -29,9 +29,9 @@ BF16 = "bf16"
 TASQ = "TaSQ (1 bit)"
 TASQ_PRE = "TaSQ (1 bit, pre-RoPE keys)"
 # decode-attention timing: (key, label, plot style); "1bit" reads TaSQ's post-RoPE codes
-# through lookup tables, "1bit_pre" TaSQ's pre-RoPE codes (blockwise rebuild + rotate)
+# through lookup tables, "1bit_pre" TaSQ's pre-RoPE codes (two-pass: block scores, bins)
 TIMED = (("bf16", "bf16 dense", "o-"), ("1bit", "1-bit post-RoPE (LUT)", "s-"),
-         ("1bit_pre", "1-bit pre-RoPE (blockwise)", "^-"))
+         ("1bit_pre", "1-bit pre-RoPE (two-pass)", "^-"))
 
 
 def variants(config) -> list[tuple[str, str, object]]:
@@ -96,7 +96,7 @@ def _dense_decode(q, k, v, lengths):
 
 def _code_reader(cache):
     """Decode-attention read of `cache`'s codes (XLA): lookup tables for post-RoPE codes, the
-    blockwise rebuild + rotate path for pre-RoPE codes (CQKVCache)."""
+    two-pass block-score path for pre-RoPE codes (CQKVCache)."""
     if isinstance(cache, CQKVCache):
         head_dim = cache.key_codebook.shape[1] * cache.key_codebook.shape[3]
         read = functools.partial(vq_decode_attention_reference,

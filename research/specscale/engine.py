@@ -181,9 +181,7 @@ class PagedEngine:
         temperature: None = the engine's; 0 = greedy.
         Returns (tokens [n], log-probabilities under the model at temperature 1 [n]).
         """
-        rows = [(s, len(self._tokens[s]) - self.manager.length(s)) for s in seqs]
-        toks, logps = self._run(rows, "sample", tag, temperature,
-                                [[self._keys[s]] for s in seqs])
+        toks, logps = self.draw(seqs, [[self._keys[s]] for s in seqs], tag, temperature)
         for s, t in zip(seqs, toks[:, 0]):
             self._tokens[s].append(int(t))
         self.stats.sampled_tokens += len(seqs)

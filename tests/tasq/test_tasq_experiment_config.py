@@ -24,7 +24,7 @@ def test_experiment_lists_every_baseline_and_ablation():
 
 
 def test_time_decode_reports_every_code_reader():
-    """The timing helper runs bf16, post-RoPE (LUT) and pre-RoPE (blockwise) reads and full
+    """The timing helper runs bf16, post-RoPE (LUT) and pre-RoPE (two-pass) reads and full
     decode steps side by side; keys as the report and plot use them."""
     import jax.numpy as jnp
     import numpy as np
