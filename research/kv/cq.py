@@ -76,16 +76,15 @@ class CQKVCache(KVCache):
         key_perm = self._key_order(d)
         key_rope = self.key_rope(d)
         qp = permute_channels(q, key_perm)
-        if t == 1 and window is None and self.implementation == "pallas":
-            out = vq_decode_attention(qp[:, 0], state["k_codes"], state["v_codes"],
-                                      self.key_codebook, self.value_codebook, start + n_new,
-                                      implementation="pallas", interpret=self.interpret,
-                                      key_rope=key_rope)[:, None].astype(jnp.float32)
-        elif t == 1 and window is None:  # XLA decode step: the two-pass reader
-            out = vq_decode_attention_pre_rope(
-                qp[:, 0].astype(jnp.float32), state["k_codes"], state["v_codes"],
-                self.key_codebook, self.value_codebook, start + n_new, key_rope,
-                self.block)[:, None]
+        if t == 1 and window is None:  # decode step: the Pallas kernel or the two-pass read
+            codes = (qp[:, 0], state["k_codes"], state["v_codes"], self.key_codebook,
+                     self.value_codebook, start + n_new)
+            if self.implementation == "pallas":
+                out = vq_decode_attention(*codes, implementation="pallas",
+                                          interpret=self.interpret, key_rope=key_rope)
+            else:
+                out = vq_decode_attention_pre_rope(*codes, key_rope, self.block)
+            out = out[:, None].astype(jnp.float32)
         else:
             kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
             mask = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
