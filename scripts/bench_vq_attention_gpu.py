@@ -6,21 +6,22 @@ Needs a CUDA device (jaxlib with CUDA). For each (batch, context), in one proces
 warm-up, medians of `--repeats` runs:
   bf16:   the core masked GQA attention over dense bf16 K/V (XLA), SmolLM2 layer shapes;
   pallas: kernels_pallas.vq_attention with the Triton backend over 1-bit uint8 codes;
+  pallas-fast: the same with precision="default" (TF32 tensor-core dots);
   xla-vq: the plain-JAX reference (LUT gathers + segment sums) on the same codes;
   pallas-pre: the kernel over pre-RoPE codes (TaSQ key_space="pre_rope": keys rebuilt per
-          block and group, rotated at their positions through the query terms).
+          block, rotated at their positions through the query terms).
 It first checks the kernel against the reference on the device. Prints a markdown table and
 writes --out (JSON) if given.
 
-Expectation, stated before measuring: the kernel reads ~1/16 of the bytes but replaces the
-K/V dot products with one-hot matmuls against 256-entry lookup tables (~K/g = 32x the FLOPs
-of dense attention), so on an H100/H200 it is likely compute-bound and may NOT beat bf16 at
-batch 1; the byte saving matters at large batch x context, where dense attention is
-bandwidth-bound. This script has not been run in the session that wrote it (no GPU lent).
+The expectation written before any GPU run (one-hot matmuls, ~32x the FLOPs of dense
+attention, compute-bound) met a kernel that did not compile there at all (shared memory);
+the Triton body now dequantizes blocks in registers instead. Measured on an H200:
+docs/gpu_h200_2026-11-30.md (`scripts/gpu_check.py` runs this bench among its sections).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -60,23 +61,33 @@ def bench(batch: int, context: int, block_sizes: BlockSizes, warmup: int, repeat
     pallas = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
         q, kc, vc, kcb, vcb, n, implementation="pallas", backend="triton",
         block_sizes=block_sizes))
+    fast_blocks = dataclasses.replace(block_sizes, precision="default")
+    pallas_fast = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
+        q, kc, vc, kcb, vcb, n, implementation="pallas", backend="triton",
+        block_sizes=fast_blocks))
     xla = jax.jit(lambda q, kc, vc, n: vq_decode_attention(q, kc, vc, kcb, vcb, n))
     rope = KeyRope.from_permutation(np.stack([rng.permutation(D) for _ in range(HKV)]),
                                     10000.0)
     pre = {impl: jax.jit(lambda q, kc, vc, n, impl=impl: vq_decode_attention(
         q, kc, vc, kcb, vcb, n, implementation=impl, backend="triton",
         block_sizes=block_sizes, key_rope=rope)) for impl in ("pallas", "xla")}
-    err = float(jnp.max(jnp.abs(pallas(q, kc, vc, lengths) - xla(q, kc, vc, lengths))))
+    want = xla(q, kc, vc, lengths)
+    err = float(jnp.max(jnp.abs(pallas(q, kc, vc, lengths) - want)))
+    err_fast = float(jnp.max(jnp.abs(pallas_fast(q, kc, vc, lengths) - want)))
     err_pre = float(jnp.max(jnp.abs(pre["pallas"](q, kc, vc, lengths)
                                     - pre["xla"](q, kc, vc, lengths))))
     row = {"batch": batch, "context": context, "max_abs_err": err, "pre_max_abs_err": err_pre,
+           "fast_max_abs_err": err_fast,
            "bf16_ms": _median_ms(lambda: dense(q, k, v, lengths), warmup, repeats),
            "pallas_ms": _median_ms(lambda: pallas(q, kc, vc, lengths), warmup, repeats),
+           "pallas_fast_ms": _median_ms(lambda: pallas_fast(q, kc, vc, lengths), warmup,
+                                        repeats),
            "xla_vq_ms": _median_ms(lambda: xla(q, kc, vc, lengths), warmup, repeats),
            "pallas_pre_ms": _median_ms(lambda: pre["pallas"](q, kc, vc, lengths), warmup,
                                        repeats),
            "bf16_bytes": int(k.nbytes + v.nbytes), "code_bytes": int(kc.nbytes + vc.nbytes)}
     row["pallas_speedup"] = row["bf16_ms"] / row["pallas_ms"]
+    row["pallas_fast_speedup"] = row["bf16_ms"] / row["pallas_fast_ms"]
     return row
 
 

@@ -173,7 +173,9 @@ def _gmm_triton_kernel(seg_ref, tile_ref, valid_ref, starts_ref, ends_ref, lhs_r
         return acc + jax.lax.dot_general(a, b, _NT if transpose_rhs else _NN,
                                          preferred_element_type=jnp.float32)
 
-    n_k = jnp.where((seg < n_groups) & valid, k_tiles, 0)
+    # not jnp.where(cond, k_tiles, 0): Pallas' Triton lowering types a select of two int
+    # literals as i1 (false, false), and scf.for then fails to verify on the GPU
+    n_k = k_tiles * ((seg < n_groups) & valid).astype(jnp.int32)
     acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
     row_ids = tile * bm + jnp.arange(bm, dtype=jnp.int32)
     mask = (row_ids >= starts_ref[seg]) & (row_ids < ends_ref[seg]) & valid

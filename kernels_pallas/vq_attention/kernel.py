@@ -3,23 +3,30 @@
 Grid (batch, KV head, context split). Each program walks its split in blocks of
 `block_kv` tokens with an online softmax and writes an unnormalised partial output plus
 its running max and sum; the wrapper merges the splits (log-sum-exp), as jax's GPU
-`decode_attention` does. The splits are independent, so the same body runs on Triton
-(where grid programs run in parallel and cannot accumulate across the grid) and on
-Mosaic TPU.
+`decode_attention` does. The splits are independent, which both Triton (grid programs run
+in parallel and cannot accumulate across the grid) and Mosaic TPU need.
 
-Gathers are not portable (Mosaic and Triton reject them), so codes are read through
-one-hot matmuls: per group g, onehot[k, t] = (code[g, t] == k), then
-    scores += LUT_g [rows, K] @ onehot [K, t]          (key scores from the lookup table)
-    bins    = p [rows, t] @ onehot^T [t, K]            (softmax weights binned per code)
-    acc_g   = corr * acc_g + bins @ centroids_g [K, g] (values, never rebuilt per token)
-This costs ~K/g times the FLOPs of dense attention (it trades bytes for MXU/tensor-core
-work); see experiments/tasq/README.md for what that means on each backend.
+Two bodies, one per compiler, both reading only codes from HBM:
 
-Keys coded before RoPE (`key_rope`) cannot use a lookup table; each group's block of keys
-is rebuilt in registers/VMEM (keys_g = onehot^T @ centroids_g [t, g]) and scored at its
-positions with the rotation moved onto the query (rope.KeyRope.query_terms):
-    scores += A_g @ (keys_g * cos(omega_g p))^T + B_g @ (keys_g * sin(omega_g p))^T
-Only codes cross HBM; dense keys exist one block and one group at a time.
+* Triton (GPU): pointer gathers. Each block of `block_kv` tokens is dequantized in
+  registers, keys[t, c] = centroids[group(c), code[group(c), t], c mod g], by indexing the
+  flat centroid table (64 KiB per head at 1 bit, cache-resident) with the codes, then
+  scored and accumulated with dots like dense flash decoding: the FLOPs of dense
+  attention, 1/16 of its HBM bytes at 1 bit per channel.
+* Mosaic (TPU): Mosaic rejects gathers, so codes are read through one-hot matmuls: per
+  group g, onehot[k, t] = (code[g, t] == k), then
+      scores += LUT_g [rows, K] @ onehot [K, t]          (key scores from the lookup table)
+      bins    = p [rows, t] @ onehot^T [t, K]            (softmax weights binned per code)
+      acc_g   = corr * acc_g + bins @ centroids_g [K, g] (values, never rebuilt per token)
+  ~K/g times the FLOPs of dense attention, traded for bytes on the MXU. (This body also
+  compiles for Triton, but its loop-invariant [rows, K] tables overflow a GPU's shared
+  memory: 297-401 KiB requested of 227 KiB on an H200.)
+
+Keys coded before RoPE (`key_rope`) cannot use a lookup table; each block of keys is
+rebuilt (Triton: the gather above; Mosaic: onehot^T @ centroids_g [t, g] per group) and
+scored at its positions with the rotation moved onto the query (rope.KeyRope.query_terms):
+    scores += A @ (keys * cos(omega p))^T + B @ (keys * sin(omega p))^T
+Only codes cross HBM; dense keys exist one block at a time.
 """
 from __future__ import annotations
 
@@ -38,21 +45,28 @@ from kernels_pallas.vq_attention.rope import KeyRope
 
 BACKENDS = ("triton", "mosaic_tpu")
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: avoids inf - inf = nan
-_HIGHEST = jax.lax.Precision.HIGHEST
+_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Context tokens per inner step and inner steps per grid program.
 
-    Each step builds [K, block_kv] one-hot tiles per group: 512 suits TPU VMEM; on GPU
-    (Triton keeps tiles in registers) use ~64 and more blocks per split.
+    On TPU each step builds [K, block_kv] one-hot tiles per group: 512 suits VMEM. On GPU
+    each step dequantizes [block_kv, D] key and value tiles in registers: use ~64.
     """
 
     block_kv: int = 512
     blocks_per_split: int = 8
+    # "highest": f32 one-hot/LUT dots (exact vs the reference); "default": the backend's
+    # fast path (TF32 tensor cores on GPU; one-hot operands stay exact, LUT/softmax weights
+    # round to ~1e-3 relative)
+    precision: str = "highest"
 
     def __post_init__(self):
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {tuple(_PRECISIONS)}, got "
+                             f"{self.precision!r}")
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
             raise ValueError(f"block_kv must be a power of two >= 16, got {self.block_kv}")
         if self.blocks_per_split < 1:
@@ -69,17 +83,17 @@ def _one_hot(ref, g, start, code_ids):
     return (codes == code_ids).astype(jnp.float32)
 
 
-def _lut_scores(key_refs, kc_ref, start, code_ids, split_start):
+def _lut_scores(key_refs, kc_ref, start, code_ids, split_start, precision):
     """Post-RoPE codes: scores [R, block_kv] = sum_g LUT_g @ onehot_g."""
     del split_start  # post-RoPE scores do not depend on position
     (lut_ref,) = key_refs
     s = jnp.zeros((lut_ref.shape[1], code_ids.shape[1]), jnp.float32)
     for g in range(lut_ref.shape[0]):
-        s += jnp.dot(lut_ref[g], _one_hot(kc_ref, g, start, code_ids), precision=_HIGHEST)
+        s += jnp.dot(lut_ref[g], _one_hot(kc_ref, g, start, code_ids), precision=precision)
     return s
 
 
-def _rope_scores(key_refs, kc_ref, start, code_ids, split_start):
+def _rope_scores(key_refs, kc_ref, start, code_ids, split_start, precision):
     """Pre-RoPE codes: each group's keys are rebuilt (onehot^T @ centroids, [block_kv, gp])
     and scored as A_g . (k cos) + B_g . (k sin) at their positions (see rope.KeyRope:
     the rotation sits on the query terms A, B, so no channel crosses a group)."""
@@ -91,17 +105,17 @@ def _rope_scores(key_refs, kc_ref, start, code_ids, split_start):
     s = jnp.zeros((a_ref.shape[1], block_kv), jnp.float32)
     for g in range(a_ref.shape[0]):
         keys = jax.lax.dot_general(_one_hot(kc_ref, g, start, code_ids), kcb_ref[g],
-                                   (((0,), (0,)), ((), ())), precision=_HIGHEST)
+                                   (((0,), (0,)), ((), ())), precision=precision)
         ang = pos * omega_ref[g]  # [block_kv, gp]
         s += jax.lax.dot_general(a_ref[g], keys * jnp.cos(ang), contract_last,
-                                 precision=_HIGHEST)
+                                 precision=precision)
         s += jax.lax.dot_general(b_ref[g], keys * jnp.sin(ang), contract_last,
-                                 precision=_HIGHEST)
+                                 precision=precision)
     return s
 
 
 def _vq_decode_kernel(len_ref, *refs, key_scores, n_key_refs: int, block_kv: int,
-                      blocks_per_split: int, read_length):
+                      blocks_per_split: int, read_length, precision):
     """One (batch row, KV head, split). Refs: the key-score refs (`_lut_scores`:
     lut [G, R, K]; `_rope_scores`: A, B [G, R, gp], omega [G, 1, gp], centroids
     [G, K, gp]), then kc/vc [G, split] uint8, vcb [G, K, gp] f32 ->
@@ -119,7 +133,7 @@ def _vq_decode_kernel(len_ref, *refs, key_scores, n_key_refs: int, block_kv: int
     def body(i, carry):
         m_prev, l_prev, acc = carry
         start = pl.multiple_of(i * block_kv, block_kv)
-        s = key_scores(key_refs, kc_ref, start, code_ids, split_start)
+        s = key_scores(key_refs, kc_ref, start, code_ids, split_start, precision)
         pos = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         s = jnp.where(pos < length, s, _MASKED)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -129,8 +143,8 @@ def _vq_decode_kernel(len_ref, *refs, key_scores, n_key_refs: int, block_kv: int
         new_acc = []
         for g in range(n_groups):
             bins = jax.lax.dot_general(p, _one_hot(vc_ref, g, start, code_ids),
-                                       (((1,), (1,)), ((), ())), precision=_HIGHEST)  # [R, K]
-            new_acc.append(corr * acc[g] + jnp.dot(bins, vcb_ref[g], precision=_HIGHEST))
+                                       (((1,), (1,)), ((), ())), precision=precision)  # [R, K]
+            new_acc.append(corr * acc[g] + jnp.dot(bins, vcb_ref[g], precision=precision))
         return m_next, l_next, tuple(new_acc)
 
     init = (jnp.full((rows, 1), _MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
@@ -140,6 +154,99 @@ def _vq_decode_kernel(len_ref, *refs, key_scores, n_key_refs: int, block_kv: int
         o_ref[g] = acc[g]
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _dequantize_block(codes_ref, table_ref, start, block_kv: int, width: int, n_groups: int,
+                      n_codes: int, gs: int):
+    """[block_kv, width] f32: row t holds token start + t's centroids, groups end to end.
+
+    The codes arrive as one contiguous [G, block_kv] tile and are spread over channels in
+    registers (on an H200 this read is 1.2-1.6x faster than gathering a code per (token,
+    channel)); the centroids are a pointer gather from the flat table [G * K * gs]. Padded
+    channels c >= G * gs read group G - 1's table with code 0; the zero-padded query
+    ignores them."""
+    codes = codes_ref[:, pl.ds(start, block_kv)].astype(jnp.int32)  # [G, T]
+    codes = jnp.broadcast_to(codes.T[:, :, None], (block_kv, n_groups, gs))
+    code = codes.reshape(block_kv, n_groups * gs)
+    if width > n_groups * gs:  # head_dim < 16: interpret mode only (Triton has no pad)
+        code = jnp.pad(code, ((0, 0), (0, width - n_groups * gs)))
+    chan = jax.lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
+    group = jnp.minimum(chan // gs, n_groups - 1)
+    return table_ref[(group * n_codes + code) * gs + chan % gs]
+
+
+def _vq_gather_kernel(len_ref, *refs, rope: bool, block_kv: int, blocks_per_split: int,
+                      read_length, precision, n_groups: int, n_codes: int, gs: int):
+    """One (batch row, KV head, split), GPU body. Refs: query q [R, Dp] (post-RoPE keys) or
+    A, B [R, Dp] and omega [1, Dp] (pre-RoPE), then kc/vc [G, split] uint8, flat key and
+    value centroid tables -> o [R, Dp] (unnormalised), m [R, 1], l [R, 1]."""
+    n_query = 3 if rope else 1
+    query_refs = refs[:n_query]
+    kc_ref, vc_ref, ktab_ref, vtab_ref, o_ref, m_ref, l_ref = refs[n_query:]
+    rows, width = o_ref.shape
+    split_start = pl.program_id(2) * block_kv * blocks_per_split
+    length = read_length(len_ref)
+    n_blocks = jnp.clip(pl.cdiv(length - split_start, block_kv), 0, blocks_per_split)
+    dequant = functools.partial(_dequantize_block, block_kv=block_kv, width=width,
+                                n_groups=n_groups, n_codes=n_codes, gs=gs)
+    contract_last = (((1,), (1,)), ((), ()))
+
+    def scores(keys, start):
+        if not rope:
+            return jax.lax.dot_general(query_refs[0][...], keys, contract_last,
+                                       precision=precision)
+        a_ref, b_ref, omega_ref = query_refs
+        pos = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        ang = pos.astype(jnp.float32) * omega_ref[...]
+        return (jax.lax.dot_general(a_ref[...], keys * jnp.cos(ang), contract_last,
+                                    precision=precision)
+                + jax.lax.dot_general(b_ref[...], keys * jnp.sin(ang), contract_last,
+                                      precision=precision))
+
+    def body(i, carry):
+        m_prev, l_prev, acc = carry
+        start = pl.multiple_of(i * block_kv, block_kv)
+        s = scores(dequant(kc_ref, ktab_ref, start), start)
+        pos = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        s = jnp.where(pos < length, s, _MASKED)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        corr = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - m_next)
+        l_next = corr * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        vals = dequant(vc_ref, vtab_ref, start)
+        return m_next, l_next, corr * acc + jnp.dot(p, vals, precision=precision)
+
+    init = (jnp.full((rows, 1), _MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, width), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _gather_inputs(q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, width):
+    """(refs, specs) of the GPU body's query side and flat centroid tables."""
+    b, hq, d = q.shape
+    hc, n_groups, n_codes, gs = k_codebook.shape
+    gq = hq // hkv
+    qs = q.astype(jnp.float32).reshape(b, hkv, gq, d) * sm_scale
+    pad_q = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, rows - gq), (0, width - d)))
+    q_spec = pl.BlockSpec((None, None, rows, width), lambda i, h, j: (i, h, 0, 0))
+    if key_rope is None:
+        query, specs = [pad_q(qs)], [q_spec]
+    else:
+        rope = jax.tree.map(lambda x: jnp.broadcast_to(x, (hkv, d)), key_rope)
+        a, bt = rope.query_terms(qs)
+        omega = jnp.pad(rope.omega, ((0, 0), (0, width - d)))[:, None]  # [Hkv, 1, Dp]
+        query = [pad_q(a), pad_q(bt), omega]
+        specs = [q_spec, q_spec, pl.BlockSpec((None, 1, width), lambda i, h, j: (h, 0, 0))]
+    flat = n_groups * n_codes * gs
+    table_len = _next_pow2(flat, 16)
+    tables = [jnp.pad(cb.astype(jnp.float32).reshape(hc, flat), ((0, 0), (0, table_len - flat)))
+              for cb in (k_codebook, v_codebook)]
+    cb_head = _codebook_head(hc, hkv)
+    table_spec = pl.BlockSpec((None, table_len), lambda i, h, j: (cb_head(h), 0))
+    return query, specs, tables, [table_spec, table_spec]
 
 
 def _compiler_params(backend: str):
@@ -206,52 +313,75 @@ def vq_decode_attention_pallas(q, k_codes, v_codes, k_codebook, v_codebook, leng
     _, hkv, n_groups, s = k_codes.shape
     hc, _, n_codes, gs = v_codebook.shape
     gq = hq // hkv
+    if backend == "triton" and not interpret and (
+            n_groups & (n_groups - 1) or gs & (gs - 1) or d < 16):
+        raise ValueError(f"the compiled Triton kernel needs power-of-two code groups and group "
+                         f"size (Triton tensors are powers of two) and head_dim >= 16 (dot "
+                         f"tiles), got G={n_groups}, group size {gs}, head_dim {d}")
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    rows, gp = _next_pow2(gq, 16), _next_pow2(gs, 16)  # Triton dots need dims >= 16
+    rows = _next_pow2(gq, 16)  # Triton dots need dims >= 16
     bkv = min(block_sizes.block_kv, _next_pow2(s, 16))
     bps = min(block_sizes.blocks_per_split, pl.cdiv(s, bkv))
     split_len = bkv * bps
     n_splits = pl.cdiv(s, split_len)
     pad_s = n_splits * split_len - s
-
-    if key_rope is None:
-        key_inputs, key_specs = _lut_inputs(q, k_codebook, hkv, sm_scale, rows)
-        key_scores = _lut_scores
-    else:
-        key_inputs, key_specs = _rope_inputs(q, k_codebook, key_rope, hkv, sm_scale, rows, gp)
-        key_scores = _rope_scores
     k_codes = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, pad_s),))
     v_codes = jnp.pad(v_codes, ((0, 0),) * 3 + ((0, pad_s),))
-    vcb = jnp.pad(v_codebook.astype(jnp.float32), ((0, 0),) * 3 + ((0, gp - gs),))
     cb_head = _codebook_head(hc, hkv)
     len_spec, read_length = _lengths_spec(backend)
-
-    kernel = functools.partial(_vq_decode_kernel, key_scores=key_scores,
-                               n_key_refs=len(key_inputs), block_kv=bkv,
-                               blocks_per_split=bps, read_length=read_length)
     code_spec = pl.BlockSpec((None, None, n_groups, split_len), lambda i, h, j: (i, h, 0, j))
+    precision = _PRECISIONS[block_sizes.precision]
+    stats_spec = pl.BlockSpec((None, None, None, rows, 1), lambda i, h, j: (i, h, j, 0, 0))
+    stats_shape = jax.ShapeDtypeStruct((b, hkv, n_splits, rows, 1), jnp.float32)
+
+    if backend == "triton":
+        width = _next_pow2(d, 16)
+        query, query_specs, tables, table_specs = _gather_inputs(
+            q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, width)
+        kernel = functools.partial(_vq_gather_kernel, rope=key_rope is not None, block_kv=bkv,
+                                   blocks_per_split=bps, read_length=read_length,
+                                   precision=precision, n_groups=n_groups, n_codes=n_codes,
+                                   gs=gs)
+        inputs, in_specs = query + [k_codes, v_codes] + tables, query_specs + [
+            code_spec, code_spec] + table_specs
+        o_block, o_index = (None, None, None, rows, width), lambda i, h, j: (i, h, j, 0, 0)
+        o_shape = (b, hkv, n_splits, rows, width)
+    else:
+        gp = _next_pow2(gs, 16)
+        if key_rope is None:
+            key_inputs, key_specs = _lut_inputs(q, k_codebook, hkv, sm_scale, rows)
+            key_scores = _lut_scores
+        else:
+            key_inputs, key_specs = _rope_inputs(q, k_codebook, key_rope, hkv, sm_scale, rows,
+                                                 gp)
+            key_scores = _rope_scores
+        vcb = jnp.pad(v_codebook.astype(jnp.float32), ((0, 0),) * 3 + ((0, gp - gs),))
+        kernel = functools.partial(_vq_decode_kernel, key_scores=key_scores,
+                                   n_key_refs=len(key_inputs), block_kv=bkv,
+                                   blocks_per_split=bps, read_length=read_length,
+                                   precision=precision)
+        inputs = key_inputs + [k_codes, v_codes, vcb]
+        in_specs = key_specs + [code_spec, code_spec, pl.BlockSpec(
+            (None, n_groups, n_codes, gp), lambda i, h, j: (cb_head(h), 0, 0, 0))]
+        o_block = (None, None, None, n_groups, rows, gp)
+        o_index = lambda i, h, j: (i, h, j, 0, 0, 0)
+        o_shape = (b, hkv, n_splits, n_groups, rows, gp)
+
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_splits),
-        in_specs=[len_spec, *key_specs, code_spec, code_spec,
-                  pl.BlockSpec((None, n_groups, n_codes, gp),
-                               lambda i, h, j: (cb_head(h), 0, 0, 0))],
-        out_specs=[
-            pl.BlockSpec((None, None, None, n_groups, rows, gp),
-                         lambda i, h, j: (i, h, j, 0, 0, 0)),
-            pl.BlockSpec((None, None, None, rows, 1), lambda i, h, j: (i, h, j, 0, 0)),
-            pl.BlockSpec((None, None, None, rows, 1), lambda i, h, j: (i, h, j, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, n_splits, n_groups, rows, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, n_splits, rows, 1), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, n_splits, rows, 1), jnp.float32),
-        ],
+        in_specs=[len_spec, *in_specs],
+        out_specs=[pl.BlockSpec(o_block, o_index), stats_spec, stats_spec],
+        out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32), stats_shape, stats_shape],
         compiler_params=_compiler_params(backend),
         interpret=interpret,
         name="vq_decode_attention" if key_rope is None else "vq_rope_decode_attention",
-    )(lengths.astype(jnp.int32), *key_inputs, k_codes, v_codes, vcb)
-    return merge_splits(o, m, l, gq, gs).reshape(b, hq, d).astype(q.dtype)
+    )(lengths.astype(jnp.int32), *inputs)
+    if backend == "triton":  # one [R, Dp] partial per split: a single "group" of Dp channels
+        out = merge_splits(o[:, :, :, None], m, l, gq, o.shape[-1])[..., :d]
+    else:
+        out = merge_splits(o, m, l, gq, gs)
+    return out.reshape(b, hq, d).astype(q.dtype)
 
 
 def merge_splits(o, m, l, gq: int, gs: int):

@@ -71,29 +71,53 @@ KERNEL_CASES = [
 ]
 
 
+# the two kernel bodies: pointer gathers (Triton) and one-hot matmuls (Mosaic)
+BACKENDS = ["triton", "mosaic_tpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", KERNEL_CASES)
-def test_pallas_interpret_matches_reference(case):
+def test_pallas_interpret_matches_reference(case, backend):
     b, hkv, gq, g, gs, n_codes, s, bkv, bps, shared = case
     x = _inputs(sum(case), b, hkv, gq, g, gs, s, n_codes=n_codes, shared=shared)
     ref = vq_decode_attention(**x)
-    out = vq_decode_attention(**x, implementation="pallas", interpret=True,
+    out = vq_decode_attention(**x, implementation="pallas", interpret=True, backend=backend,
                               block_sizes=BlockSizes(block_kv=bkv, blocks_per_split=bps))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_pallas_edge_lengths():
+def test_pallas_head_dim_not_a_power_of_two():
+    """D = 3 groups x 8 = 24 (interpret mode): channels padded to 32 and dropped again."""
+    x = _inputs(11, 2, 2, 3, 3, 8, 90, n_codes=256)
+    out = vq_decode_attention(**x, implementation="pallas", interpret=True,
+                              block_sizes=BlockSizes(block_kv=32, blocks_per_split=2))
+    np.testing.assert_allclose(out, vq_decode_attention(**x), rtol=1e-5, atol=1e-5)
+
+
+def test_default_precision_stays_close():
+    """precision="default" (TF32 on GPU; exact f32 on CPU) is a valid, close fast path."""
+    x = _inputs(12, 2, 3, 3, 8, 8, 200, n_codes=256, shared=True)
+    out = vq_decode_attention(**x, implementation="pallas", interpret=True,
+                              block_sizes=BlockSizes(64, 2, precision="default"))
+    np.testing.assert_allclose(out, vq_decode_attention(**x), rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="precision"):
+        BlockSizes(precision="tf32")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pallas_edge_lengths(backend):
     """Length 0 (all masked -> zeros, as the reference), 1, and exactly the context."""
     x = _inputs(5, 3, 1, 2, 2, 4, 64)
     x["lengths"] = jnp.array([0, 1, 64], jnp.int32)
     ref = vq_decode_attention(**x)
-    out = vq_decode_attention(**x, implementation="pallas", interpret=True,
+    out = vq_decode_attention(**x, implementation="pallas", interpret=True, backend=backend,
                               block_sizes=BlockSizes(block_kv=32, blocks_per_split=1))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(out[0]).max()) == 0.0
 
 
-def _lower(backend, platform):
-    b, hkv, gq, g, gs, s = 2, 3, 3, 8, 8, 1000
+def _lower(backend, platform, g=8, gs=8):
+    b, hkv, gq, s = 2, 3, 3, 1000
     args = (jax.ShapeDtypeStruct((b, hkv * gq, g * gs), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, g, s), jnp.uint8),
             jax.ShapeDtypeStruct((b, hkv, g, s), jnp.uint8),
@@ -109,9 +133,16 @@ def test_lowers_for_tpu_mosaic():
     assert "tpu_custom_call" in _lower("mosaic_tpu", "tpu")
 
 
-def test_lowers_for_cuda_triton():
-    text = _lower("triton", "cuda")
+@pytest.mark.parametrize("g,gs", [(8, 8), (16, 4), (4, 4)])  # 1 bit, 2 bits, D=16
+def test_lowers_for_cuda_triton(g, gs):
+    text = _lower("triton", "cuda", g, gs)
     assert "triton" in text and "tpu_custom_call" not in text
+
+
+@pytest.mark.parametrize("g,gs", [(3, 8), (2, 4)])  # G not a power of two; head_dim 8
+def test_compiled_triton_rejects_shapes_it_cannot_tile(g, gs):
+    with pytest.raises(ValueError, match="power-of-two code groups"):
+        _lower("triton", "cuda", g, gs)
 
 
 def test_bad_inputs_raise_clear_errors():

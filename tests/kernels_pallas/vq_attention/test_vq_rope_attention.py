@@ -98,8 +98,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])  # gather / one-hot bodies
 @pytest.mark.parametrize("case", CASES)
-def test_blockwise_reference_and_kernel_match_dense(case):
+def test_blockwise_reference_and_kernel_match_dense(case, backend):
     b, hkv, gq, g, gs, n_codes, s, bkv, bps, shared = case
     perm, x = _inputs(sum(case), b, hkv, gq, g, gs, s, n_codes, shared)
     want = jax.jit(functools.partial(_dense_oracle, perm))(x)
@@ -109,7 +110,7 @@ def test_blockwise_reference_and_kernel_match_dense(case):
     for block in (16, 48):  # several blocks, the last one ragged
         ref = vq_decode_attention_reference(*args, key_rope=x["key_rope"], block=block)
         np.testing.assert_allclose(ref, want, rtol=2e-5, atol=2e-5)
-    out = vq_decode_attention(**x, implementation="pallas", interpret=True,
+    out = vq_decode_attention(**x, implementation="pallas", interpret=True, backend=backend,
                               block_sizes=BlockSizes(block_kv=bkv, blocks_per_split=bps))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 

@@ -1,0 +1,295 @@
+r"""The one prepared GPU run: check each Pallas kernel, compiled for CUDA through the Triton
+backend (not interpreted), against its plain-JAX reference on fresh random inputs, then
+time it against the XLA path in the same process.
+
+    PYTHONPATH=. python scripts/gpu_check.py --out gpu_check.json [--sections a,b] [--quick]
+
+Sections (in order): check_vq, check_paged, check_gmm, bench_vq, bench_paged, bench_gmm,
+tune_vq (block shapes and dot precision of the VQ kernel).
+A failing case is recorded with its error and the run goes on; the JSON file is rewritten
+after every section, so a run stopped at its time limit still leaves what it measured.
+Exits 1 if any check failed or raised. Timings are medians after warm-up
+(experiments.common.time_fn); checks compare against the references the CPU tests use.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import triton as pltriton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench scripts
+
+import bench_grouped_matmul_gpu as gmm_bench  # noqa: E402
+import bench_vq_attention_gpu as vq_bench  # noqa: E402
+from experiments.common import time_fn  # noqa: E402
+from kernels_pallas.grouped_matmul import (BlockSizes as GmmBlocks, grouped_matmul,  # noqa: E402
+                                           gmm_reference, tgmm_reference,
+                                           transposed_grouped_matmul)
+from kernels_pallas.grouped_matmul import kernel as gmm_kernel  # noqa: E402
+from kernels_pallas.paged_attention import api as paged  # noqa: E402
+from kernels_pallas.vq_attention import BlockSizes, KeyRope, vq_decode_attention  # noqa: E402
+from research.core.attention import attend  # noqa: E402
+
+SECTIONS = ("check_vq", "check_paged", "check_gmm", "bench_vq", "bench_paged", "bench_gmm",
+            "tune_vq")
+GPU_VQ_BLOCKS = BlockSizes(block_kv=64, blocks_per_split=32)
+PAGED_CONTEXTS = (4096, 32768)
+
+
+def error_head(e: Exception) -> str:
+    """Type and opening of the message: compiler errors end with a long IR dump."""
+    return f"{type(e).__name__}: {str(e)[:1500]}"
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-12))
+
+
+# ----------------------------------------------------------------------------- checks
+# (batch, Hkv, q per kv, groups, group size, centroids, context, shared codebook, pre-RoPE)
+VQ_CASES = [
+    (3, 3, 3, 8, 8, 256, 1000, True, False),   # SmolLM2 1-bit layout, ragged tail
+    (3, 3, 3, 8, 8, 256, 1000, False, True),   # the same, keys coded before RoPE
+    (2, 2, 4, 16, 4, 256, 777, False, False),  # 2 bits per channel (4-channel groups), GQA 4
+    (2, 2, 4, 16, 4, 256, 777, True, True),
+    (4, 4, 1, 4, 16, 16, 50, False, False),    # MHA, context shorter than one block
+    (1, 1, 8, 8, 8, 256, 5000, True, False),   # many splits
+]
+
+
+def check_vq(rng, quick: bool) -> list[dict]:
+    rows = []
+    for case in VQ_CASES[:3] if quick else VQ_CASES:
+        b, hkv, gq, g, gs, k, s, shared, pre = case
+        d, hc = g * gs, 1 if shared else hkv
+        q = jnp.asarray(rng.normal(size=(b, hkv * gq, d)), jnp.float32)
+        kc = jnp.asarray(rng.integers(0, k, (b, hkv, g, s)), jnp.uint8)
+        vc = jnp.asarray(rng.integers(0, k, (b, hkv, g, s)), jnp.uint8)
+        kcb = jnp.asarray(rng.normal(size=(hc, g, k, gs)), jnp.float32)
+        vcb = jnp.asarray(rng.normal(size=(hc, g, k, gs)), jnp.float32)
+        lengths = np.asarray(rng.integers(1, s + 1, (b,)), np.int32)
+        lengths[0] = s
+        rope = (KeyRope.from_permutation(np.stack([rng.permutation(d) for _ in range(hkv)]),
+                                         10000.0) if pre else None)
+        args = (q, kc, vc, kcb, vcb, jnp.asarray(lengths))
+        want = vq_decode_attention(*args, key_rope=rope)
+        # the XLA reference's own f32 einsums run at TF32 on GPU (~4e-4 here)
+        for precision, tol in (("highest", 1e-3), ("default", 1e-2)):
+            row = {"case": list(case), "precision": precision, "tol": tol}
+            try:
+                got = vq_decode_attention(
+                    *args, key_rope=rope, implementation="pallas", backend="triton",
+                    block_sizes=dataclasses.replace(GPU_VQ_BLOCKS, precision=precision))
+                row["rel_err"] = rel_err(got, want)
+            except Exception as e:  # noqa: BLE001 - one case's compile error is a result
+                row["rel_err"], row["error"] = float("inf"), error_head(e)
+            rows.append(row)
+    return rows
+
+
+def check_paged(rng, quick: bool) -> list[dict]:
+    rows = []
+    b, hq, hkv, d, bs, n_blocks, m = 4, 9, 3, 64, 16, 300, 64  # SmolLM2 decode shapes
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for window in (None, 100):
+            q = jnp.asarray(rng.normal(size=(b, hq, d)), dtype)
+            k = jnp.asarray(rng.normal(size=(hkv, n_blocks, bs, d)), dtype)
+            v = jnp.asarray(rng.normal(size=(hkv, n_blocks, bs, d)), dtype)
+            table = rng.permutation(n_blocks)[:b * m].reshape(b, m).astype(np.int32)
+            lengths = np.asarray([m * bs, m * bs - 5, 37, 0], np.int32)  # one empty row
+            table[2, 3:] = -1  # unmapped past row 2's length
+            args = (q, k, v, jnp.asarray(table), jnp.asarray(lengths))
+            want = paged.paged_decode_attention(*args, window=window)
+            got = paged.paged_decode_attention(*args, window=window, implementation="pallas",
+                                               backend="triton")
+            rows.append({"dtype": jnp.dtype(dtype).name, "window": window,
+                         "rel_err": rel_err(got, want),
+                         "empty_row_zero": bool(not np.any(np.asarray(got[3], np.float32)))})
+    return rows
+
+
+def _gmm_pairs(rng, dtype, m: int, sizes, full: bool) -> dict:
+    """{op: (reference, kernel) thunks} on fresh inputs; `full` adds rhs^T, tgmm, grads."""
+    k, n = 256, 384
+    blocks = GmmBlocks(128, 64, 128)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), dtype)
+    dout = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    pallas = dict(implementation="pallas", backend="triton", block_sizes=blocks)
+    pairs = {"gmm": (lambda: gmm_reference(lhs, rhs, sizes),
+                     lambda: grouped_matmul(lhs, rhs, sizes, **pallas))}
+    if not full:
+        return pairs
+
+    def grads(impl):
+        kw = pallas if impl == "pallas" else {}
+        loss = lambda a, w: jnp.sum(grouped_matmul(a, w, sizes, **kw).astype(jnp.float32)
+                                    * dout)
+        return jax.grad(loss, argnums=(0, 1))(lhs, rhs)
+
+    pairs.update({
+        "gmm rhs^T": (lambda: gmm_reference(dout, rhs, sizes, transpose_rhs=True),
+                      lambda: grouped_matmul(dout, rhs, sizes, transpose_rhs=True, **pallas)),
+        "tgmm": (lambda: tgmm_reference(lhs, dout, sizes),
+                 lambda: transposed_grouped_matmul(lhs, dout, sizes, **pallas)),
+        "grad lhs": (lambda: grads("xla")[0], lambda: grads("pallas")[0]),
+        "grad rhs": (lambda: grads("xla")[1], lambda: grads("pallas")[1]),
+    })
+    return pairs
+
+
+def check_gmm(rng, quick: bool) -> list[dict]:
+    """The shipped config on ragged groups (empty ones, m not a row-block multiple), every
+    op; then, for diagnosis, forward gmm with one pipeline stage and with aligned rows."""
+    ragged = [300, 0, 7, 250, 0, 1, 400, 30]  # sums to 988 < m = 1000: trailing rows unused
+    variants = [(dtype, 2, 1000, ragged, True) for dtype in (jnp.float32, jnp.bfloat16)]
+    variants += [(jnp.bfloat16, 1, 1000, ragged, False),
+                 (jnp.bfloat16, 2, 1024, [128] * 8, False)]
+    shipped = gmm_kernel._compiler_params
+    rows = []
+    for dtype, stages, m, sizes, full in variants:
+        gmm_kernel._compiler_params = lambda backend, semantics, stages=stages: (
+            pltriton.CompilerParams(num_warps=4, num_stages=stages))
+        try:
+            for op, (want, got) in _gmm_pairs(rng, dtype, m, sizes, full).items():
+                row = {"dtype": jnp.dtype(dtype).name, "num_stages": stages, "m": m, "op": op}
+                try:
+                    row["rel_err"] = rel_err(got(), want())
+                except Exception as e:  # noqa: BLE001 - one op's compile error is a result
+                    row["rel_err"], row["error"] = float("inf"), error_head(e)
+                rows.append(row)
+        finally:
+            gmm_kernel._compiler_params = shipped
+    return rows
+
+
+# ---------------------------------------------------------------------------- benches
+def bench_vq(rng, quick: bool) -> list[dict]:
+    batches, contexts = ((1, 32), (4096, 32768)) if quick else ((1, 8, 32), (4096, 16384, 32768))
+    return [vq_bench.bench(b, s, GPU_VQ_BLOCKS, warmup=3, repeats=20) for b in batches
+            for s in contexts]
+
+
+def tune_vq(rng, quick: bool) -> list[dict]:
+    """Pallas VQ kernel times over block shapes and dot precision, batch 32, 32k context."""
+    b, s = 32, 32768
+    q = jnp.asarray(rng.normal(size=(b, vq_bench.HQ, vq_bench.D)), jnp.float32)
+    codes = [jnp.asarray(rng.integers(0, vq_bench.K, (b, vq_bench.HKV, vq_bench.G, s)),
+                         jnp.uint8) for _ in range(2)]
+    cbs = [jnp.asarray(rng.normal(size=(vq_bench.HKV, vq_bench.G, vq_bench.K,
+                                        vq_bench.D // vq_bench.G)), jnp.float32)
+           for _ in range(2)]
+    lengths = jnp.full((b,), s, jnp.int32)
+    rows = []
+    for block_kv in (32, 64, 128):
+        for bps in (8, 32):
+            for precision in ("highest", "default"):
+                bs = BlockSizes(block_kv=block_kv, blocks_per_split=bps, precision=precision)
+                fn = jax.jit(lambda q, n, bs=bs: vq_decode_attention(
+                    q, *codes, *cbs, n, implementation="pallas", backend="triton",
+                    block_sizes=bs))
+                try:
+                    ms = time_fn(lambda: fn(q, lengths), warmup=2, repeats=10)["median_s"] * 1e3
+                except Exception as e:  # noqa: BLE001 - a shape Triton rejects is a result
+                    ms = error_head(e)[:300]
+                rows.append({"block_kv": block_kv, "blocks_per_split": bps,
+                             "precision": precision, "ms": ms})
+    return rows
+
+
+def bench_paged(rng, quick: bool) -> list[dict]:
+    """Triton paged kernel vs the XLA reference (gather through the table) vs dense
+    attention over the same tokens stored contiguously; bf16, SmolLM2 shapes."""
+    rows = []
+    hq, hkv, d, bs = 9, 3, 64, 16
+    for b in (1, 32) if quick else (1, 8, 32):
+        for s in PAGED_CONTEXTS:
+            m = s // bs
+            q = jnp.asarray(rng.normal(size=(b, hq, d)), jnp.bfloat16)
+            k = jnp.asarray(rng.normal(size=(hkv, b * m, bs, d)), jnp.bfloat16)
+            v = jnp.asarray(rng.normal(size=(hkv, b * m, bs, d)), jnp.bfloat16)
+            table = jnp.asarray(rng.permutation(b * m).reshape(b, m), jnp.int32)
+            lengths = jnp.full((b,), s, jnp.int32)
+            kd = k[:, table].transpose(1, 2, 3, 0, 4).reshape(b, s, hkv, d)
+            vd = v[:, table].transpose(1, 2, 3, 0, 4).reshape(b, s, hkv, d)
+            fns = {
+                "pallas": jax.jit(lambda *a: paged.paged_decode_attention(
+                    *a, implementation="pallas", backend="triton")),
+                "xla_paged": jax.jit(paged.paged_decode_attention),
+            }
+            dense = jax.jit(vq_bench._dense)
+            row = {"batch": b, "context": s,
+                   "rel_err": rel_err(fns["pallas"](q, k, v, table, lengths),
+                                      fns["xla_paged"](q, k, v, table, lengths))}
+            for name, fn in fns.items():
+                row[f"{name}_ms"] = time_fn(lambda fn=fn: fn(q, k, v, table, lengths),
+                                            warmup=3, repeats=20)["median_s"] * 1e3
+            row["dense_bf16_ms"] = time_fn(lambda: dense(q, kd, vd, lengths), warmup=3,
+                                           repeats=20)["median_s"] * 1e3
+            row["kv_gb_per_s_pallas"] = 2 * b * s * hkv * d * 2 / row["pallas_ms"] / 1e6
+            rows.append(row)
+    return rows
+
+
+def bench_gmm(rng, quick: bool) -> list[dict]:
+    shapes = dict(list(gmm_bench.SHAPES.items())[:2]) if quick else gmm_bench.SHAPES
+    rows = []
+    for name, dims in shapes.items():
+        rows += gmm_bench.bench_shape(name, dims, jnp.bfloat16, GmmBlocks(128, 64, 128), 20,
+                                      rng)
+    return rows
+
+
+CHECK_TOLERANCE = {"check_vq": 1e-3, "check_paged": 2e-2, "check_gmm": 2e-2}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--quick", action="store_true", help="fewer cases and sizes")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"needs a CUDA GPU; jax backend is {jax.default_backend()!r}")
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "seed": args.seed, "sections": {}}
+    failed = False
+    for name in args.sections.split(","):
+        if name not in SECTIONS:
+            raise SystemExit(f"--sections: unknown {name!r}; expected some of {SECTIONS}")
+        t0 = time.perf_counter()
+        try:
+            rows = globals()[name](np.random.default_rng(args.seed), args.quick)
+            entry = {"rows": rows}
+            tol = CHECK_TOLERANCE.get(name)
+            if tol is not None:
+                entry["tolerance"] = tol
+                entry["passed"] = all(r["rel_err"] <= r.get("tol", tol)
+                                      and r.get("empty_row_zero", True) for r in rows)
+                failed |= not entry["passed"]
+        except Exception as e:  # noqa: BLE001 - record and go on to the next section
+            entry = {"error": error_head(e),
+                     "where": "".join(traceback.format_tb(e.__traceback__)[-3:])}
+            failed = True
+        entry["seconds"] = time.perf_counter() - t0
+        report["sections"][name] = entry
+        print(f"== {name} ({entry['seconds']:.0f} s)", flush=True)
+        print(json.dumps(entry, indent=1, default=str)[:6000], flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
