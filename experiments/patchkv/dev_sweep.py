@@ -49,6 +49,7 @@ SETTINGS = {
     "gen32_gcv": ({"n_generated": 32, "n_repeat": 0}, "gcv", {}),
     "gen32_t07": ({"n_generated": 32, "n_repeat": 0, "temperature": 0.7}, "holdout", {}),
     "x2_gcv": ({"n_generated": 32, "n_repeat": 32}, "gcv", {}),
+    "rep32_gcv": ({"n_generated": 0, "n_repeat": 32}, "gcv", {}),
     "x3_residual": ({"n_generated": 48, "n_repeat": 48}, "holdout", {"target": "residual"}),
     "am": ("baseline", "am", {}),
     "grkv": ("baseline", "grkv", {}),
