@@ -37,7 +37,6 @@ from kernels_pallas.grouped_matmul import (BlockSizes as GmmBlocks, grouped_matm
 from kernels_pallas.grouped_matmul import kernel as gmm_kernel  # noqa: E402
 from kernels_pallas.paged_attention import api as paged  # noqa: E402
 from kernels_pallas.vq_attention import BlockSizes, KeyRope, vq_decode_attention  # noqa: E402
-from research.core.attention import attend  # noqa: E402
 
 SECTIONS = ("check_vq", "check_paged", "check_gmm", "bench_vq", "bench_paged", "bench_gmm",
             "tune_vq")
