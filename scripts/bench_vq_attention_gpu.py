@@ -46,17 +46,23 @@ def _dense(q, k, v, lengths):
                   kv_pos < lengths[:, None])[:, 0]
 
 
+def coded_inputs(rng, batch: int, context: int) -> tuple:
+    """(q, k_codes, v_codes, k_codebook, v_codebook, lengths) of one SmolLM2 layer at 1 bit
+    per channel, every row `context` tokens long."""
+    q = jnp.asarray(rng.normal(size=(batch, HQ, D)), jnp.float32)
+    kc, vc = (jnp.asarray(rng.integers(0, K, (batch, HKV, G, context)), jnp.uint8)
+              for _ in range(2))
+    kcb, vcb = (jnp.asarray(rng.normal(size=(HKV, G, K, D // G)), jnp.float32)
+                for _ in range(2))
+    return q, kc, vc, kcb, vcb, jnp.full((batch,), context, jnp.int32)
+
+
 def bench(batch: int, context: int, block_sizes: BlockSizes, warmup: int, repeats: int,
           seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.normal(size=(batch, HQ, D)), jnp.float32)
+    q, kc, vc, kcb, vcb, lengths = coded_inputs(rng, batch, context)
     k = jnp.asarray(rng.normal(size=(batch, context, HKV, D)), jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=(batch, context, HKV, D)), jnp.bfloat16)
-    kc = jnp.asarray(rng.integers(0, K, (batch, HKV, G, context)), jnp.uint8)
-    vc = jnp.asarray(rng.integers(0, K, (batch, HKV, G, context)), jnp.uint8)
-    kcb = jnp.asarray(rng.normal(size=(HKV, G, K, D // G)), jnp.float32)
-    vcb = jnp.asarray(rng.normal(size=(HKV, G, K, D // G)), jnp.float32)
-    lengths = jnp.full((batch,), context, jnp.int32)
     dense = jax.jit(_dense)
     pallas = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
         q, kc, vc, kcb, vcb, n, implementation="pallas", backend="triton",

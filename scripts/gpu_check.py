@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -47,6 +48,16 @@ PAGED_CONTEXTS = (4096, 32768)
 def error_head(e: Exception) -> str:
     """Type and opening of the message: compiler errors end with a long IR dump."""
     return f"{type(e).__name__}: {str(e)[:1500]}"
+
+
+def checked(row: dict, got, want) -> dict:
+    """row with rel_err of got() vs want; a compile or runtime error of the kernel is a
+    result too (rel_err inf, the error's head)."""
+    try:
+        row["rel_err"] = rel_err(got(), want)
+    except Exception as e:  # noqa: BLE001 - one case's failure must not end the run
+        row["rel_err"], row["error"] = float("inf"), error_head(e)
+    return row
 
 
 def rel_err(got, want) -> float:
@@ -84,15 +95,12 @@ def check_vq(rng, quick: bool) -> list[dict]:
         want = vq_decode_attention(*args, key_rope=rope)
         # the XLA reference's own f32 einsums run at TF32 on GPU (~4e-4 here)
         for precision, tol in (("highest", 1e-3), ("default", 1e-2)):
-            row = {"case": list(case), "precision": precision, "tol": tol}
-            try:
-                got = vq_decode_attention(
+            blocks = dataclasses.replace(GPU_VQ_BLOCKS, precision=precision)
+            rows.append(checked(
+                {"case": list(case), "precision": precision, "tol": tol},
+                lambda blocks=blocks: vq_decode_attention(
                     *args, key_rope=rope, implementation="pallas", backend="triton",
-                    block_sizes=dataclasses.replace(GPU_VQ_BLOCKS, precision=precision))
-                row["rel_err"] = rel_err(got, want)
-            except Exception as e:  # noqa: BLE001 - one case's compile error is a result
-                row["rel_err"], row["error"] = float("inf"), error_head(e)
-            rows.append(row)
+                    block_sizes=blocks), want))
     return rows
 
 
@@ -162,12 +170,8 @@ def check_gmm(rng, quick: bool) -> list[dict]:
             pltriton.CompilerParams(num_warps=4, num_stages=stages))
         try:
             for op, (want, got) in _gmm_pairs(rng, dtype, m, sizes, full).items():
-                row = {"dtype": jnp.dtype(dtype).name, "num_stages": stages, "m": m, "op": op}
-                try:
-                    row["rel_err"] = rel_err(got(), want())
-                except Exception as e:  # noqa: BLE001 - one op's compile error is a result
-                    row["rel_err"], row["error"] = float("inf"), error_head(e)
-                rows.append(row)
+                rows.append(checked({"dtype": jnp.dtype(dtype).name, "num_stages": stages,
+                                     "m": m, "op": op}, got, want()))
         finally:
             gmm_kernel._compiler_params = shipped
     return rows
@@ -182,28 +186,20 @@ def bench_vq(rng, quick: bool) -> list[dict]:
 
 def tune_vq(rng, quick: bool) -> list[dict]:
     """Pallas VQ kernel times over block shapes and dot precision, batch 32, 32k context."""
-    b, s = 32, 32768
-    q = jnp.asarray(rng.normal(size=(b, vq_bench.HQ, vq_bench.D)), jnp.float32)
-    codes = [jnp.asarray(rng.integers(0, vq_bench.K, (b, vq_bench.HKV, vq_bench.G, s)),
-                         jnp.uint8) for _ in range(2)]
-    cbs = [jnp.asarray(rng.normal(size=(vq_bench.HKV, vq_bench.G, vq_bench.K,
-                                        vq_bench.D // vq_bench.G)), jnp.float32)
-           for _ in range(2)]
-    lengths = jnp.full((b,), s, jnp.int32)
+    q, *codes_and_codebooks, lengths = vq_bench.coded_inputs(rng, 32, 32768)
     rows = []
-    for block_kv in (32, 64, 128):
-        for bps in (8, 32):
-            for precision in ("highest", "default"):
-                bs = BlockSizes(block_kv=block_kv, blocks_per_split=bps, precision=precision)
-                fn = jax.jit(lambda q, n, bs=bs: vq_decode_attention(
-                    q, *codes, *cbs, n, implementation="pallas", backend="triton",
-                    block_sizes=bs))
-                try:
-                    ms = time_fn(lambda: fn(q, lengths), warmup=2, repeats=10)["median_s"] * 1e3
-                except Exception as e:  # noqa: BLE001 - a shape Triton rejects is a result
-                    ms = error_head(e)[:300]
-                rows.append({"block_kv": block_kv, "blocks_per_split": bps,
-                             "precision": precision, "ms": ms})
+    for block_kv, bps, precision in itertools.product((32, 64, 128), (8, 32),
+                                                      ("highest", "default")):
+        bs = BlockSizes(block_kv=block_kv, blocks_per_split=bps, precision=precision)
+        fn = jax.jit(lambda q, n, bs=bs: vq_decode_attention(
+            q, *codes_and_codebooks, n, implementation="pallas", backend="triton",
+            block_sizes=bs))
+        try:
+            ms = time_fn(lambda: fn(q, lengths), warmup=2, repeats=10)["median_s"] * 1e3
+        except Exception as e:  # noqa: BLE001 - a shape Triton rejects is a result
+            ms = error_head(e)[:300]
+        rows.append({"block_kv": block_kv, "blocks_per_split": bps, "precision": precision,
+                     "ms": ms})
     return rows
 
 

@@ -15,10 +15,7 @@ import json
 import time
 
 from experiments.patchkv import experiment as ex
-from experiments.patchkv.dev_sweep import SETTINGS
-from experiments.patchkv.patchkv import get_config
-from research import data
-from research.model import load
+from experiments.patchkv.dev_sweep import SETTINGS, load_small
 from research.patchkv import tasks
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
@@ -32,9 +29,7 @@ def main(argv=None):
     ap.add_argument("--seed-offset", type=int, default=1000)
     ap.add_argument("--budgets", default="0.1,0.25")
     args = ap.parse_args(argv)
-    config = get_config("small")
-    model, tok = load(None)
-    heldout = tok.encode(data.corpus_text("heldout"))
+    config, model, tok, heldout = load_small()
     r = config.retrieval
     stops = default_stop_tokens(tok)
     budgets = [float(b) for b in args.budgets.split(",")]

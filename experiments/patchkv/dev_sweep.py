@@ -56,6 +56,13 @@ SETTINGS = {
 }
 
 
+def load_small():
+    """(small config, the embedded model, its tokenizer, held-out token ids): what every
+    dev script starts from."""
+    model, tok = load(None)
+    return get_config("small"), model, tok, tok.encode(data.corpus_text("heldout"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--settings", default="base")
@@ -63,9 +70,7 @@ def main(argv=None):
     ap.add_argument("--offset", type=int, default=4096)
     ap.add_argument("--no-tasq", action="store_true")
     args = ap.parse_args(argv)
-    config = get_config("small")
-    model, tok = load(None)
-    heldout = tok.encode(data.corpus_text("heldout"))
+    config, model, tok, heldout = load_small()
     cc = config.continuation
     if args.offset < cc.context_len + cc.n_continuations * cc.continuation_len:
         sys.exit("--offset must lie past the test contexts' tokens")

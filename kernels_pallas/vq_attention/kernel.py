@@ -226,18 +226,16 @@ def _vq_gather_kernel(len_ref, *refs, rope: bool, block_kv: int, blocks_per_spli
 
 def _gather_inputs(q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, width):
     """(refs, specs) of the GPU body's query side and flat centroid tables."""
-    b, hq, d = q.shape
+    _, hq, d = q.shape
     hc, n_groups, n_codes, gs = k_codebook.shape
     gq = hq // hkv
-    qs = q.astype(jnp.float32).reshape(b, hkv, gq, d) * sm_scale
     pad_q = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, rows - gq), (0, width - d)))
     q_spec = pl.BlockSpec((None, None, rows, width), lambda i, h, j: (i, h, 0, 0))
     if key_rope is None:
-        query, specs = [pad_q(qs)], [q_spec]
+        query, specs = [pad_q(_scaled_query(q, hkv, sm_scale))], [q_spec]
     else:
-        rope = jax.tree.map(lambda x: jnp.broadcast_to(x, (hkv, d)), key_rope)
-        a, bt = rope.query_terms(qs)
-        omega = jnp.pad(rope.omega, ((0, 0), (0, width - d)))[:, None]  # [Hkv, 1, Dp]
+        a, bt, omega = _rope_query_terms(q, key_rope, hkv, sm_scale)
+        omega = jnp.pad(omega, ((0, 0), (0, width - d)))[:, None]  # [Hkv, 1, Dp]
         query = [pad_q(a), pad_q(bt), omega]
         specs = [q_spec, q_spec, pl.BlockSpec((None, 1, width), lambda i, h, j: (h, 0, 0))]
     flat = n_groups * n_codes * gs
@@ -278,20 +276,32 @@ def _lut_inputs(q, k_codebook, hkv, sm_scale, rows):
     return [lut], [spec]
 
 
+def _scaled_query(q, hkv: int, sm_scale: float):
+    """q [B, Hq, D] -> f32 [B, Hkv, gq, D] times sm_scale."""
+    b, hq, d = q.shape
+    return q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d) * sm_scale
+
+
+def _rope_query_terms(q, key_rope: KeyRope, hkv: int, sm_scale: float):
+    """(A, B [B, Hkv, gq, D], omega [Hkv, D]): the pre-RoPE scoring terms of both bodies."""
+    rope = jax.tree.map(lambda x: jnp.broadcast_to(x, (hkv, q.shape[-1])), key_rope)
+    a, bt = rope.query_terms(_scaled_query(q, hkv, sm_scale))
+    return a, bt, rope.omega
+
+
 def _rope_inputs(q, k_codebook, key_rope: KeyRope, hkv, sm_scale, rows, gp):
     """(refs, specs) of pre-RoPE key scoring: query terms A, B [B, Hkv, G, R, gp],
     frequencies [Hkv, G, 1, gp] and key centroids [Hc, G, K, gp] (channels padded by 0)."""
-    b, hq, d = q.shape
+    b, hq, _ = q.shape
     hc, n_groups, n_codes, gs = k_codebook.shape
     gq = hq // hkv
-    rope = jax.tree.map(lambda x: jnp.broadcast_to(x, (hkv, d)), key_rope)
-    a, bt = rope.query_terms(q.astype(jnp.float32).reshape(b, hkv, gq, d) * sm_scale)
+    a, bt, omega = _rope_query_terms(q, key_rope, hkv, sm_scale)
 
     def by_group(x):  # [B, Hkv, gq, D] -> [B, Hkv, G, rows, gp]
         x = x.reshape(b, hkv, gq, n_groups, gs).transpose(0, 1, 3, 2, 4)
         return jnp.pad(x, ((0, 0),) * 3 + ((0, rows - gq), (0, gp - gs)))
 
-    omega = jnp.pad(rope.omega.reshape(hkv, n_groups, 1, gs), ((0, 0),) * 3 + ((0, gp - gs),))
+    omega = jnp.pad(omega.reshape(hkv, n_groups, 1, gs), ((0, 0),) * 3 + ((0, gp - gs),))
     kcb = jnp.pad(k_codebook.astype(jnp.float32), ((0, 0),) * 3 + ((0, gp - gs),))
     cb_head = _codebook_head(hc, hkv)
     q_spec = pl.BlockSpec((None, None, n_groups, rows, gp), lambda i, h, j: (i, h, 0, 0, 0))
@@ -299,6 +309,43 @@ def _rope_inputs(q, k_codebook, key_rope: KeyRope, hkv, sm_scale, rows, gp):
              pl.BlockSpec((None, n_groups, 1, gp), lambda i, h, j: (h, 0, 0, 0)),
              pl.BlockSpec((None, n_groups, n_codes, gp), lambda i, h, j: (cb_head(h), 0, 0, 0))]
     return [by_group(a), by_group(bt), omega, kcb], specs
+
+
+def _gather_body(q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, n_splits, loop):
+    """GPU body: (kernel, (inputs, specs) before and after the codes, output spec and
+    shape [B, Hkv, N, R, Dp])."""
+    b, _, d = q.shape
+    _, n_groups, n_codes, gs = k_codebook.shape
+    width = _next_pow2(d, 16)
+    query, query_specs, tables, table_specs = _gather_inputs(
+        q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, width)
+    kernel = functools.partial(_vq_gather_kernel, rope=key_rope is not None,
+                               n_groups=n_groups, n_codes=n_codes, gs=gs, **loop)
+    o_spec = pl.BlockSpec((None, None, None, rows, width), lambda i, h, j: (i, h, j, 0, 0))
+    return (kernel, (query, query_specs), (tables, table_specs), o_spec,
+            (b, hkv, n_splits, rows, width))
+
+
+def _one_hot_body(q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, n_splits, loop):
+    """TPU body: as `_gather_body`; output [B, Hkv, N, G, R, gp]."""
+    b = q.shape[0]
+    hc, n_groups, n_codes, gs = v_codebook.shape
+    gp = _next_pow2(gs, 16)
+    if key_rope is None:
+        key_inputs, key_specs = _lut_inputs(q, k_codebook, hkv, sm_scale, rows)
+        key_scores = _lut_scores
+    else:
+        key_inputs, key_specs = _rope_inputs(q, k_codebook, key_rope, hkv, sm_scale, rows, gp)
+        key_scores = _rope_scores
+    vcb = jnp.pad(v_codebook.astype(jnp.float32), ((0, 0),) * 3 + ((0, gp - gs),))
+    cb_head = _codebook_head(hc, hkv)
+    vcb_spec = pl.BlockSpec((None, n_groups, n_codes, gp), lambda i, h, j: (cb_head(h), 0, 0, 0))
+    kernel = functools.partial(_vq_decode_kernel, key_scores=key_scores,
+                               n_key_refs=len(key_inputs), **loop)
+    o_spec = pl.BlockSpec((None, None, None, n_groups, rows, gp),
+                          lambda i, h, j: (i, h, j, 0, 0, 0))
+    return (kernel, (key_inputs, key_specs), ([vcb], [vcb_spec]), o_spec,
+            (b, hkv, n_splits, n_groups, rows, gp))
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "backend",
@@ -311,7 +358,7 @@ def vq_decode_attention_pallas(q, k_codes, v_codes, k_codebook, v_codebook, leng
     (which validates them). `key_rope`: keys were coded before RoPE (slot = position)."""
     b, hq, d = q.shape
     _, hkv, n_groups, s = k_codes.shape
-    hc, _, n_codes, gs = v_codebook.shape
+    gs = v_codebook.shape[3]
     gq = hq // hkv
     if backend == "triton" and not interpret and (
             n_groups & (n_groups - 1) or gs & (gs - 1) or d < 16):
@@ -327,56 +374,26 @@ def vq_decode_attention_pallas(q, k_codes, v_codes, k_codebook, v_codebook, leng
     pad_s = n_splits * split_len - s
     k_codes = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, pad_s),))
     v_codes = jnp.pad(v_codes, ((0, 0),) * 3 + ((0, pad_s),))
-    cb_head = _codebook_head(hc, hkv)
     len_spec, read_length = _lengths_spec(backend)
     code_spec = pl.BlockSpec((None, None, n_groups, split_len), lambda i, h, j: (i, h, 0, j))
-    precision = _PRECISIONS[block_sizes.precision]
     stats_spec = pl.BlockSpec((None, None, None, rows, 1), lambda i, h, j: (i, h, j, 0, 0))
     stats_shape = jax.ShapeDtypeStruct((b, hkv, n_splits, rows, 1), jnp.float32)
-
-    if backend == "triton":
-        width = _next_pow2(d, 16)
-        query, query_specs, tables, table_specs = _gather_inputs(
-            q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, width)
-        kernel = functools.partial(_vq_gather_kernel, rope=key_rope is not None, block_kv=bkv,
-                                   blocks_per_split=bps, read_length=read_length,
-                                   precision=precision, n_groups=n_groups, n_codes=n_codes,
-                                   gs=gs)
-        inputs, in_specs = query + [k_codes, v_codes] + tables, query_specs + [
-            code_spec, code_spec] + table_specs
-        o_block, o_index = (None, None, None, rows, width), lambda i, h, j: (i, h, j, 0, 0)
-        o_shape = (b, hkv, n_splits, rows, width)
-    else:
-        gp = _next_pow2(gs, 16)
-        if key_rope is None:
-            key_inputs, key_specs = _lut_inputs(q, k_codebook, hkv, sm_scale, rows)
-            key_scores = _lut_scores
-        else:
-            key_inputs, key_specs = _rope_inputs(q, k_codebook, key_rope, hkv, sm_scale, rows,
-                                                 gp)
-            key_scores = _rope_scores
-        vcb = jnp.pad(v_codebook.astype(jnp.float32), ((0, 0),) * 3 + ((0, gp - gs),))
-        kernel = functools.partial(_vq_decode_kernel, key_scores=key_scores,
-                                   n_key_refs=len(key_inputs), block_kv=bkv,
-                                   blocks_per_split=bps, read_length=read_length,
-                                   precision=precision)
-        inputs = key_inputs + [k_codes, v_codes, vcb]
-        in_specs = key_specs + [code_spec, code_spec, pl.BlockSpec(
-            (None, n_groups, n_codes, gp), lambda i, h, j: (cb_head(h), 0, 0, 0))]
-        o_block = (None, None, None, n_groups, rows, gp)
-        o_index = lambda i, h, j: (i, h, j, 0, 0, 0)
-        o_shape = (b, hkv, n_splits, n_groups, rows, gp)
+    loop = dict(block_kv=bkv, blocks_per_split=bps, read_length=read_length,
+                precision=_PRECISIONS[block_sizes.precision])
+    body = _gather_body if backend == "triton" else _one_hot_body
+    kernel, (before, before_specs), (after, after_specs), o_spec, o_shape = body(
+        q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, n_splits, loop)
 
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_splits),
-        in_specs=[len_spec, *in_specs],
-        out_specs=[pl.BlockSpec(o_block, o_index), stats_spec, stats_spec],
+        in_specs=[len_spec, *before_specs, code_spec, code_spec, *after_specs],
+        out_specs=[o_spec, stats_spec, stats_spec],
         out_shape=[jax.ShapeDtypeStruct(o_shape, jnp.float32), stats_shape, stats_shape],
         compiler_params=_compiler_params(backend),
         interpret=interpret,
         name="vq_decode_attention" if key_rope is None else "vq_rope_decode_attention",
-    )(lengths.astype(jnp.int32), *inputs)
+    )(lengths.astype(jnp.int32), *before, k_codes, v_codes, *after)
     if backend == "triton":  # one [R, Dp] partial per split: a single "group" of Dp channels
         out = merge_splits(o[:, :, :, None], m, l, gq, o.shape[-1])[..., :d]
     else:
