@@ -15,10 +15,9 @@ import json
 import time
 
 from experiments.patchkv import experiment as ex
-from experiments.patchkv.dev_sweep import SETTINGS, load_small
+from experiments.patchkv.dev_sweep import SETTINGS, load_small, ridge_config
 from research.patchkv import tasks
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
-from research.patchkv.ridge import RidgeConfig
 from research.serving.generate import default_stop_tokens
 
 
@@ -63,7 +62,7 @@ def main(argv=None):
                     m, states = ex.compressed_states(model, comp, ratio, probed)
                     methods = ["patchkv"] + (["none"] if first else [])
                     variants = ex.make_variants(m, states, probed, methods,
-                                                RidgeConfig(selection=selection),
+                                                ridge_config(selection),
                                                 {"target": config.patch_target, **kwargs})
                     for meth, v in variants.items():
                         tag = name if meth == "patchkv" else "none"

@@ -51,9 +51,23 @@ SETTINGS = {
     "x2_gcv": ({"n_generated": 32, "n_repeat": 32}, "gcv", {}),
     "rep32_gcv": ({"n_generated": 0, "n_repeat": 32}, "gcv", {}),
     "x3_residual": ({"n_generated": 48, "n_repeat": 48}, "holdout", {"target": "residual"}),
+    "gen32_rank": ({"n_generated": 32, "n_repeat": 0}, "holdout_rank", {}),
+    "gen64_rank": ({"n_generated": 64, "n_repeat": 0}, "holdout_rank", {}),
     "am": ("baseline", "am", {}),
     "grkv": ("baseline", "grkv", {}),
 }
+
+
+RANKS = (8, 16, 32, 64, 128, 256)
+
+
+def ridge_config(selection: str, baseline: bool = False) -> RidgeConfig:
+    """A SETTINGS selection name as a RidgeConfig ("holdout_rank": reduced ranks compete)."""
+    if baseline:
+        return RidgeConfig(selection="holdout")
+    if selection == "holdout_rank":
+        return RidgeConfig(selection="holdout", ranks=RANKS)
+    return RidgeConfig(selection=selection)
 
 
 def load_small():
@@ -92,7 +106,7 @@ def main(argv=None):
             baseline = probe_over == "baseline"
             probe_cfg = ProbeConfig(**{**config.probes.to_dict(), "seed": config.seed,
                                        **({} if baseline else probe_over)})
-            ridge_cfg = RidgeConfig(selection="holdout" if baseline else selection)
+            ridge_cfg = ridge_config(selection, baseline)
             t0 = time.perf_counter()
             if probe_cfg not in probed_by_cfg:
                 probed_by_cfg = {probe_cfg: probe_context(model, ex._calibration(task.context),
@@ -127,7 +141,7 @@ def main(argv=None):
                                       "attn_err": s["attn_err"],
                                       **({k: v["summary"][k] for k in
                                           ("layers_patched", "val_err_before",
-                                           "val_err_after")} if "summary" in v else {})}),
+                                           "val_err_after", "mean_rank", "patch_bytes")} if "summary" in v else {})}),
                           flush=True)
             print(f"# {name} ctx {ci}: {time.perf_counter() - t0:.0f}s", flush=True)
         print(table(nll, len(dev), names), flush=True)

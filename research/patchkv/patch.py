@@ -51,6 +51,7 @@ class LayerFit(NamedTuple):
     lam: float
     train_rel_err: tuple[float, float]  # attention-contribution error before / after
     val_rel_err: tuple[float, float]  # same on held-out probe rows
+    rank: int | None = None  # reduced rank of the patch (None: full rank)
 
 
 class PatchState(NamedTuple):
@@ -81,8 +82,15 @@ def apply_patch(model: Model, state: PatchState) -> Model:
 
 
 def patch_nbytes(state: PatchState) -> int:
-    """Bytes of the non-zero layer patches (f32): what a server stores per context."""
-    return sum(int(d.nbytes) for d in state.deltas if bool(jnp.any(d != 0)))
+    """Bytes of the non-zero layer patches (f32) as a server stores them per context: the
+    dense delta, or its two factors [d_in, r] and [r, d_out] for a reduced-rank patch."""
+    rank = {f.layer: f.rank for f in state.fits}
+    total = 0
+    for layer, d in enumerate(state.deltas):
+        if bool(jnp.any(d != 0)):
+            r = rank.get(layer)
+            total += int(d.nbytes) if r is None else r * sum(d.shape) * d.dtype.itemsize
+    return total
 
 
 def _valid_rows(a: jax.Array, lengths: np.ndarray) -> np.ndarray:
@@ -152,7 +160,8 @@ def _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config)
         raise FloatingPointError(f"layer {layer}: probe attention outputs are not finite")
     use_holdout = holdout if config.selection == "holdout" else None
     fit = ridge.fit_ridge(x, y, use_holdout, config)
-    return fit.delta, LayerFit(layer, fit.alpha, fit.lam, fit.train_rel_err, fit.val_rel_err)
+    return fit.delta, LayerFit(layer, fit.alpha, fit.lam, fit.train_rel_err, fit.val_rel_err,
+                               fit.rank)
 
 
 def _validate(model, probed, target, layers):
@@ -206,6 +215,8 @@ def summarize(state: PatchState) -> dict:
             "train_err_after": mean([f.train_rel_err[1] for f in fits]),
             "val_err_before": mean([f.val_rel_err[0] for f in fits]),
             "val_err_after": mean([f.val_rel_err[1] for f in fits]),
+            "mean_rank": mean([f.rank if f.rank is not None else min(state.deltas[f.layer].shape)
+                               for f in fits if np.isfinite(f.alpha)]),
             "patch_bytes": patch_nbytes(state), "fit_seconds": state.fit_seconds,
             "probe_seconds": state.probe_seconds, "probe_tokens": state.n_probe_tokens}
 

@@ -13,6 +13,12 @@ layer. Selection:
 * "gcv": generalised cross-validation, closed form from the eigenvalues;
 * "fixed": the given alpha.
 
+Reduced rank (`ranks`, holdout only): the ridge solution D is projected onto the top-r
+right singular vectors W_r of its augmented fitted values [X; sqrt(lam) I] D (reduced-rank
+ridge, Mukherjee & Zhu 2011): D_r = D W_r W_r^T. (alpha, r) are chosen jointly on the
+held-out rows; a rank-r patch is stored as two factors, r (d_in + d_out) numbers instead of
+d_in d_out, and the constraint is one more regulariser.
+
 "Do no harm": the zero patch (alpha = inf) is always a candidate, so a layer whose patch
 does not beat zero on held-out rows (or on GCV) stays unpatched.
 
@@ -39,6 +45,8 @@ class RidgeConfig:
     alphas: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 10.0)
     alpha: float = 1e-2  # used by selection="fixed"
     allow_zero: bool = True  # the zero patch competes with every alpha
+    ranks: tuple[int, ...] = ()  # reduced ranks that compete with full rank (holdout only)
+    allow_full_rank: bool = True  # False: only `ranks` (caps the stored patch's bytes)
 
     def __post_init__(self):
         if self.selection not in SELECTIONS:
@@ -48,6 +56,13 @@ class RidgeConfig:
                              f"got {self.alphas}")
         if not (self.alpha >= 0):
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if any(not (isinstance(r, int) and r >= 1) for r in self.ranks):
+            raise ValueError(f"ranks must be positive ints, got {self.ranks}")
+        if not self.allow_full_rank and not self.ranks:
+            raise ValueError("allow_full_rank=False needs some ranks to choose from")
+        if self.ranks and self.selection != "holdout":
+            raise ValueError(f"ranks need selection='holdout' (the rank is chosen on held-out "
+                             f"rows), got selection={self.selection!r}")
 
 
 class RidgeFit(NamedTuple):
@@ -56,6 +71,7 @@ class RidgeFit(NamedTuple):
     lam: float  # absolute penalty used for `delta`
     train_rel_err: tuple[float, float]  # ||Y - X D|| / ||Y|| before (D=0) / after, all rows
     val_rel_err: tuple[float, float]  # same on held-out rows (nan when there are none)
+    rank: int | None = None  # rank of `delta` when reduced (None: full rank)
 
 
 class GramEig(NamedTuple):
@@ -168,14 +184,15 @@ def _fit_ridge(x, y, holdout, config) -> RidgeFit:
         raise ValueError(f"holdout must be a bool mask of {x.shape[0]} rows, got "
                          f"{holdout.shape}")
     candidates = list(config.alphas) + ([math.inf] if config.allow_zero else [])
-    val_err = (math.nan, math.nan)
+    val_err, rank = (math.nan, math.nan), None
     if config.selection == "holdout":
         if holdout.all() or not holdout.any():
             raise ValueError("selection='holdout' needs some (not all) rows held out; give "
                              "at least two probe sequences, or use selection='gcv'")
         fit, val = _moments(x[~holdout], y[~holdout]), _moments(x[holdout], y[holdout])
-        alpha, val_err = _select_holdout(_eig(*fit, int((~holdout).sum())), x[holdout],
-                                         y[holdout], candidates)
+        (alpha, rank), val_err = _select_holdout(_eig(*fit, int((~holdout).sum())),
+                                                 x[holdout], y[holdout], candidates,
+                                                 config.ranks, config.allow_full_rank)
         stats = tuple(a + b for a, b in zip(fit, val))  # all rows, without a second pass
     else:
         stats = _moments(x, y)
@@ -184,14 +201,15 @@ def _fit_ridge(x, y, holdout, config) -> RidgeFit:
             alpha = min(candidates, key=lambda a: gcv_score(e, _lam(a, e.scale)))
         else:
             alpha = config.alpha
-    delta, lam, train = _final_solve(*stats, alpha, x, y)
+    delta, lam, train = _final_solve(*stats, alpha, x, y, rank)
     if not np.all(np.isfinite(delta)):
         raise FloatingPointError("ridge solution is not finite")
-    return RidgeFit(delta, float(alpha), float(lam), train, val_err)
+    return RidgeFit(delta, float(alpha), float(lam), train, val_err, rank)
 
 
-def _select_holdout(e: GramEig, x_val, y_val, candidates):
-    """Alpha with the least squared error on the held-out rows; (before, after) errors.
+def _select_holdout(e: GramEig, x_val, y_val, candidates, ranks=(), full_rank=True):
+    """(alpha, rank) with the least squared error on the held-out rows (rank None = full);
+    (before, after) relative errors.
 
     With Xv = x_val V (eigenbasis), P = proj and D = diag(1 / (s + lam)), the held-out
     prediction is Xv D P, so ||y_val - Xv D P||^2 = ||y_val||^2 - 2 sum_i D_i a_i +
@@ -209,17 +227,47 @@ def _select_holdout(e: GramEig, x_val, y_val, candidates):
         inv = _inverse_eigs(e, _lam(alpha, e.scale))
         return max(y_val_sq - 2 * float(inv @ a) + float(inv @ bm @ inv), 0.0)
 
-    errs = {alpha: held_out_sq(alpha) for alpha in candidates}
-    alpha = min(candidates, key=errs.get)
-    return alpha, (_rel(y_val_sq, y_val_sq), _rel(errs[alpha], y_val_sq))
+    errs = {(alpha, None): held_out_sq(alpha) for alpha in candidates
+            if full_rank or math.isinf(alpha)}
+    for alpha in candidates:
+        if ranks and math.isfinite(alpha) and e.scale > 0.0:
+            inv = _inverse_eigs(e, _lam(alpha, e.scale))
+            for r, err in _reduced_rank_held_out(inv, e.proj, xv, y_val, ranks).items():
+                errs[(alpha, r)] = err
+    best = min(errs, key=errs.get)
+    return best, (_rel(y_val_sq, y_val_sq), _rel(errs[best], y_val_sq))
 
 
-def _final_solve(gram, xty, y_sq, alpha, x, y):
-    """Fit on all rows with the chosen alpha (Cholesky when lam > 0: one factorisation)."""
+def _rank_basis(inv: np.ndarray, proj: np.ndarray) -> np.ndarray:
+    """Right singular vectors (columns, by decreasing singular value) of the augmented
+    fitted values [X; sqrt(lam) I] D for D = V diag(inv) P: their Gram matrix is
+    D^T (G + lam I) D = P^T diag(inv) P."""
+    _, w = scipy.linalg.eigh(proj.T @ (inv[:, None] * proj), driver="evr")
+    return w[:, ::-1]
+
+
+def _reduced_rank_held_out(inv, proj, xv, y_val, ranks) -> dict:
+    """Held-out squared error of D W_r W_r^T for every rank r < d_out, from one basis:
+    ||Y - Z_r W_r^T||^2 = ||Y||^2 + sum_{j<r} (||z_j||^2 - 2 <(Y W)_j, z_j>), Z = Xv D W."""
+    w = _rank_basis(inv, proj)
+    z = xv @ (inv[:, None] * proj) @ w
+    per_component = np.sum(z * z, axis=0) - 2 * np.sum((y_val @ w) * z, axis=0)
+    cumulative = float(np.sum(y_val * y_val)) + np.cumsum(per_component)
+    return {r: max(float(cumulative[r - 1]), 0.0) for r in ranks if r < w.shape[1]}
+
+
+def _final_solve(gram, xty, y_sq, alpha, x, y, rank=None):
+    """Fit on all rows with the chosen alpha (Cholesky when lam > 0: one factorisation),
+    then project to `rank` (reduced-rank ridge) when given."""
     scale = float(np.trace(gram)) / gram.shape[0]
     lam = _lam(alpha, scale)
     if math.isinf(lam) or scale == 0.0:
         delta = np.zeros_like(xty)
+    elif rank is not None:
+        e = _eig(gram, xty, y_sq, x.shape[0])
+        inv = _inverse_eigs(e, lam)
+        w = _rank_basis(inv, e.proj)[:, :rank]
+        delta = (e.eigvecs @ (inv[:, None] * e.proj) @ w) @ w.T
     elif lam > 0:
         delta = scipy.linalg.cho_solve(scipy.linalg.cho_factor(
             gram + lam * np.eye(gram.shape[0])), xty)

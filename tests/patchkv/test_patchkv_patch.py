@@ -259,3 +259,24 @@ def test_bad_input(model, context):
         patch.apply_patch(model, bad)
     assert isinstance(model.caches[0], DenseKVCache)
     assert dataclasses.is_dataclass(RoundingKVCache)
+
+
+def test_reduced_rank_patch_is_low_rank_stored_as_factors_and_still_helps(model, context,
+                                                                           queries, probed):
+    compressed = evict("snapkv", 0.25).apply(model, ())
+    _, states = session.prefill_batch(compressed, probed.tokens, probed.lengths,
+                                      probed.max_len)
+    config = RidgeConfig(ranks=(2, 4, 8), allow_full_rank=False)
+    state = patch.fit_patches(compressed, probed, states=states, ridge_config=config)
+    fitted = [f for f in state.fits if np.isfinite(f.alpha)]
+    assert fitted and all(f.rank in config.ranks for f in fitted), state.fits
+    expected_bytes = 0
+    for f in fitted:
+        d = np.asarray(state.deltas[f.layer])
+        full_rank = min(d.shape)
+        assert np.linalg.matrix_rank(d, tol=1e-5 * np.abs(d).max()) == (f.rank or full_rank)
+        expected_bytes += (f.rank * sum(d.shape) if f.rank else d.size) * 4
+    assert patch.patch_nbytes(state) == expected_bytes
+    before, after = _attention_error(model, compressed, patch.apply_patch(compressed, state),
+                                     context, queries)
+    assert after < before, (before, after)

@@ -108,3 +108,57 @@ def test_held_out_error_matches_direct_computation():
     direct = ridge.solve(e, fit.alpha * e.scale)
     rel = np.linalg.norm(y[holdout] - x[holdout] @ direct) / np.linalg.norm(y[holdout])
     np.testing.assert_allclose(fit.val_rel_err[1], rel, rtol=1e-8)
+
+
+def _reduced_rank_direct(x, y, lam, rank):
+    """Reduced-rank ridge straight from its definition: project the ridge solution onto
+    the top right singular vectors of the augmented fitted values [X; sqrt(lam) I] D."""
+    d = x.shape[1]
+    full = np.linalg.solve(x.T @ x + lam * np.eye(d), x.T @ y)
+    fitted = np.vstack([x, math.sqrt(lam) * np.eye(d)]) @ full
+    w = np.linalg.svd(fitted, full_matrices=False)[2][:rank].T
+    return full @ w @ w.T
+
+
+def _low_rank_data(n, d, q, rank, seed, noise):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d))
+    w = rng.normal(size=(d, rank)) @ rng.normal(size=(rank, q))
+    return x, x @ w + noise * rng.normal(size=(n, q))
+
+
+def test_reduced_rank_matches_definition_and_its_held_out_error():
+    x, y = _low_rank_data(n=200, d=14, q=10, rank=3, seed=11, noise=2.0)
+    holdout = np.arange(200) % 4 == 0
+    config = ridge.RidgeConfig(ranks=(1, 2, 3, 5, 8), allow_zero=False)
+    fit = ridge.fit_ridge(x, y, holdout, config)
+    assert fit.rank is not None and fit.rank in config.ranks
+    assert np.linalg.matrix_rank(fit.delta, tol=1e-8) == fit.rank
+    np.testing.assert_allclose(fit.delta, _reduced_rank_direct(x, y, fit.lam, fit.rank),
+                               rtol=1e-7, atol=1e-9)
+    # the held-out error the selection reports is the error of that (alpha, rank) fitted
+    # on the fit rows alone
+    e = ridge.gram_eig(x[~holdout], y[~holdout])
+    on_fit_rows = _reduced_rank_direct(x[~holdout], y[~holdout], fit.alpha * e.scale,
+                                       fit.rank)
+    rel = np.linalg.norm(y[holdout] - x[holdout] @ on_fit_rows) / np.linalg.norm(y[holdout])
+    np.testing.assert_allclose(fit.val_rel_err[1], rel, rtol=1e-7)
+    # and it is no worse than the best full-rank alpha (full rank stays a candidate)
+    full = ridge.fit_ridge(x, y, holdout, ridge.RidgeConfig(allow_zero=False))
+    assert fit.val_rel_err[1] <= full.val_rel_err[1] + 1e-12
+
+
+def test_reduced_rank_recovers_a_low_rank_map_from_few_noisy_rows():
+    x, y = _low_rank_data(n=60, d=20, q=20, rank=2, seed=12, noise=3.0)
+    holdout = np.arange(60) % 3 == 0
+    fit = ridge.fit_ridge(x, y, holdout, ridge.RidgeConfig(ranks=(1, 2, 4, 8, 16)))
+    assert fit.rank is not None and fit.rank <= 4
+
+
+def test_reduced_rank_needs_holdout_and_positive_ranks():
+    with pytest.raises(ValueError, match="ranks"):
+        ridge.RidgeConfig(ranks=(0,))
+    with pytest.raises(ValueError, match="holdout"):
+        ridge.RidgeConfig(selection="gcv", ranks=(4,))
+    with pytest.raises(ValueError, match="ranks"):
+        ridge.RidgeConfig(allow_full_rank=False)
