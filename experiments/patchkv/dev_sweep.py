@@ -29,6 +29,8 @@ from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
 from research.transforms import calibrate_and_apply
 
+STRENGTHS = (0.25, 0.5, 0.75, 1.0)
+WIDE_STRENGTHS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 # name -> (probe overrides, ridge selection, fit_patches kwargs)
 SETTINGS = {
     "base": ({}, "holdout", {}),
@@ -53,6 +55,15 @@ SETTINGS = {
     "x3_residual": ({"n_generated": 48, "n_repeat": 48}, "holdout", {"target": "residual"}),
     "gen32_rank": ({"n_generated": 32, "n_repeat": 0}, "holdout_rank", {}),
     "gen64_rank": ({"n_generated": 64, "n_repeat": 0}, "holdout_rank", {}),
+    "gen64_residual": ({"n_generated": 64, "n_repeat": 0}, "holdout", {"target": "residual"}),
+    "gen64_strength": ({"n_generated": 64, "n_repeat": 0}, "holdout",
+                       {"strengths": STRENGTHS}),
+    "gen64_wide": ({"n_generated": 64, "n_repeat": 0}, "holdout",
+                   {"strengths": WIDE_STRENGTHS}),
+    "gen64_residual_wide": ({"n_generated": 64, "n_repeat": 0}, "holdout",
+                            {"target": "residual", "strengths": WIDE_STRENGTHS}),
+    "gen64_residual_strength": ({"n_generated": 64, "n_repeat": 0}, "holdout",
+                                {"target": "residual", "strengths": STRENGTHS}),
     "am": ("baseline", "am", {}),
     "grkv": ("baseline", "grkv", {}),
 }
@@ -86,12 +97,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     config, model, tok, heldout = load_small()
     cc = config.continuation
-    if args.offset < cc.context_len + cc.n_continuations * cc.continuation_len:
-        sys.exit("--offset must lie past the test contexts' tokens")
     dev = tasks.continuation_tasks(heldout, n_contexts=args.contexts,
                                    context_len=cc.context_len,
                                    n_continuations=cc.n_continuations,
                                    continuation_len=cc.continuation_len, offset=args.offset)
+    test = tasks.continuation_tasks(heldout, **cc.to_dict())
+    if overlaps(dev, test):
+        sys.exit(f"--offset {args.offset}: dev contexts overlap the test contexts' tokens")
     quantizers = {} if args.no_tasq else ex.calibrate_quantizers(model, tok, config)
     combos = [(n, b) for n in config.compressions for b in config.budgets]
     combos += [(q, None) for q in quantizers]
@@ -141,10 +153,17 @@ def main(argv=None):
                                       "attn_err": s["attn_err"],
                                       **({k: v["summary"][k] for k in
                                           ("layers_patched", "val_err_before",
-                                           "val_err_after", "mean_rank", "patch_bytes")} if "summary" in v else {})}),
+                                           "val_err_after", "mean_rank", "patch_bytes",
+                                           "strength", "strength_kl")} if "summary" in v else {})}),
                           flush=True)
             print(f"# {name} ctx {ci}: {time.perf_counter() - t0:.0f}s", flush=True)
         print(table(nll, len(dev), names), flush=True)
+
+
+def overlaps(dev, test) -> bool:
+    """Does any dev task share a token position with a test task?"""
+    return any(a.window[0] < b.window[1] and b.window[0] < a.window[1]
+               for a in dev for b in test)
 
 
 def pooled(nll, tag, n_ctx, key):

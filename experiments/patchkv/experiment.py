@@ -108,8 +108,10 @@ def kv_kept_bytes(states):
 
 
 def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers, records,
-                bar):
-    """All compressions x budgets x methods on one context; appends raw records."""
+                bar, index=0):
+    """All compressions x budgets x methods on context `index` of its kind; appends raw
+    records (each tagged with the context index)."""
+    first = len(records)
     probed = probe_context(model, _calibration(task.context), probe_cfg)
     length = len(task.context)
     ref = reference_model(model)
@@ -130,7 +132,7 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
             m, states = compressed_states(model, name, ratio, probed)
             kept = kv_kept_bytes(states)
             for method, v in make_variants(m, states, probed, config.methods, ridge_cfg,
-                                           {"target": config.patch_target}).items():
+                                           patch_kwargs(config, config.patch_target)).items():
                 records.append({"kind": kind, "compression": name, "budget": ratio,
                                 "method": method, "fit_s": v["fit_s"],
                                 "patch_bytes": v["patch_bytes"], "kv_bytes": kept,
@@ -143,22 +145,42 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
         budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
         methods = [x for x in config.methods if x not in baselines.METHODS]
         for method, v in make_variants(m, states, probed, methods, ridge_cfg,
-                                       {"target": config.quantizer_patch_target}).items():
+                                       patch_kwargs(config,
+                                                    config.quantizer_patch_target)).items():
             records.append({"kind": kind, "compression": name, "budget": budget,
                             "method": method, "fit_s": v["fit_s"],
                             "patch_bytes": v["patch_bytes"], "kv_bytes": kept, **score(v)})
         bar.update(1)
     if kind == "continuation":
         run_ablations(model, config, probed, ridge_cfg, score, records)
+    for rec in records[first:]:
+        rec["context"] = index
+
+
+def patch_kwargs(config, target: str) -> dict:
+    """fit_patches options of the config for a fit target."""
+    return {"target": target, "strengths": tuple(config.get("patch_strengths", ()))}
+
+
+ABLATIONS = ("independent", "residual", "gcv", "rank64", "no_strength")
 
 
 def run_ablations(model, config, probed, ridge_cfg, score, records):
+    """Variants of the default PatchKV on the first compression at its smallest budget:
+    independent (teacher-forced) fitting, the residual target, GCV, a patch capped at rank
+    64 (stored as factors: ~1/5 of the dense bytes) and no strength selection."""
     name, ratio = config.compressions[0], min(config.budgets)
     m, states = compressed_states(model, name, ratio, probed)
-    options = {"independent": ({"sequential": False}, ridge_cfg),
-               "residual": ({"target": "residual"}, ridge_cfg),
-               "gcv": ({}, RidgeConfig(selection="gcv"))}
+    default = patch_kwargs(config, config.patch_target)
+    options = {"independent": ({**default, "sequential": False}, ridge_cfg),
+               "residual": ({**default, "target": "residual"}, ridge_cfg),
+               "gcv": (default, RidgeConfig(selection="gcv")),
+               "rank64": (default, RidgeConfig(selection=ridge_cfg.selection, ranks=(64,),
+                                               allow_full_rank=False)),
+               "no_strength": ({**default, "strengths": ()}, ridge_cfg)}
     for ablation in config.ablations:
+        if ablation not in options:
+            raise ValueError(f"unknown ablation {ablation!r}; expected one of {ABLATIONS}")
         kwargs, rc = options[ablation]
         v = make_variants(m, states, probed, ["patchkv"], rc, kwargs)["patchkv"]
         records.append({"kind": "continuation", "compression": name, "budget": ratio,
@@ -202,6 +224,21 @@ def gap_closed(rows, name, budget, method="patchkv"):
     none = get.get((name, budget, "none"), {}).get("ppl", math.nan)
     fixed = get.get((name, budget, method), {}).get("ppl", math.nan)
     return (none - fixed) / (none - full) if none != full else math.nan
+
+
+def gap_closed_per_context(records) -> dict:
+    """{compression@budget: [gap closed on each continuation context]}: how much of the
+    pooled number is one context's noise."""
+    cont = [r for r in records if r["kind"] == "continuation"]
+    out = {}
+    for i in sorted({r["context"] for r in cont}):
+        rows = aggregate([r for r in cont if r["context"] == i])
+        for r in rows:
+            if r["method"] == "none":
+                key = f"{r['compression']}@{r['budget']:.3g}"
+                out.setdefault(key, []).append(gap_closed(rows, r["compression"],
+                                                          r["budget"]))
+    return out
 
 
 def flops_check(model, name, ratio, probed) -> dict:
@@ -280,7 +317,8 @@ def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
     heldout = tok.encode(data.corpus_text("heldout"))
     probe_cfg = ProbeConfig(**config.probes.to_dict(), seed=config.seed)
-    ridge_cfg = RidgeConfig(selection=config.ridge_selection)
+    ridge_cfg = RidgeConfig(selection=config.ridge_selection,
+                            ranks=tuple(config.get("ridge_ranks", ())))
     cont = tasks.continuation_tasks(heldout, **config.continuation.to_dict())
     r = config.retrieval
     retr = [tasks.retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
@@ -290,12 +328,12 @@ def run(config, out_dir=None) -> common.Report:
     total = (len(cont) + len(retr)) * (len(config.compressions) * len(config.budgets)
                                        + len(quantizers))
     with tqdm(total=total, desc="patchkv contexts x compressions x budgets") as bar:
-        for task in cont:
+        for i, task in enumerate(cont):
             run_context("continuation", model, tok, task, config, probe_cfg, ridge_cfg,
-                        quantizers, records, bar)
-        for task in retr:
+                        quantizers, records, bar, i)
+        for i, task in enumerate(retr):
             run_context("retrieval", model, tok, task, config, probe_cfg, ridge_cfg,
-                        quantizers, records, bar)
+                        quantizers, records, bar, i)
     rows = aggregate(records)
     flops = None
     if config.check_flops:
@@ -308,6 +346,7 @@ def run(config, out_dir=None) -> common.Report:
     closed = {f"{r['compression']}@{r['budget']:.3g}": gap_closed(rows, r["compression"],
                                                                  r["budget"])
               for r in rows if r["method"] == "none" and "ppl" in r}
+    per_context = gap_closed_per_context(records)
     notes = [
         f"{len(cont)} continuation context(s) x {config.continuation.n_continuations} "
         f"continuations of {config.continuation.continuation_len} tokens (held-out prose); "
@@ -315,7 +354,8 @@ def run(config, out_dir=None) -> common.Report:
         f"~{config.continuation.context_len} tokens. ppl over continuation tokens 1..m-1.",
         "patchkv: W_o + Delta per layer, ridge fit sequentially on probe rows "
         f"({probe_cfg.n_generated} sampled continuations + {probe_cfg.n_repeat} context "
-        f"repeats of {probe_cfg.length} tokens), lambda by {config.ridge_selection}; "
+        f"repeats of {probe_cfg.length} tokens), lambda by {config.ridge_selection}"
+        + (f", rank from {ridge_cfg.ranks} or full" if ridge_cfg.ranks else "") + "; "
         "grkv/am: kept values (and AM biases) refit on the same probes (eviction only).",
         "tasq-Nbit: TaSQ calibrated once on the calibration split "
         f"({config.tasq.n_seqs}x{config.tasq.seq_len} tokens), frozen, then "
@@ -329,11 +369,14 @@ def run(config, out_dir=None) -> common.Report:
         "KV it saves).",
         "gap closed (ppl_none - ppl_patch) / (ppl_none - ppl_full): " + ", ".join(
             f"{k}: {v:.0%}" for k, v in closed.items()),
+        "gap closed on each continuation context: " + ", ".join(
+            f"{k}: {' / '.join(f'{x:.0%}' for x in v)}" for k, v in per_context.items()),
     ]
     return common.Report(
         columns=columns, rows=rows,
         title="PatchKV: ridge weight patches vs KV eviction on SmolLM2-135M-Instruct",
         claims=claims(rows, config, flops),
-        extra={"records": records, "gap_closed": closed, "flops": flops,
+        extra={"records": records, "gap_closed": closed,
+               "gap_closed_per_context": per_context, "flops": flops,
                "full_kv_bytes": full_kv},
         notes=notes, plot=make_plot(rows, config))

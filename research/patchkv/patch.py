@@ -39,6 +39,7 @@ from research.model.llama import Model
 from research.patchkv import layerwise, ridge
 from research.patchkv.probes import (ProbeConfig, ProbedContext, probe_context,  # noqa: F401
                                      reference_model)
+from research.patchkv import session
 from research.patchkv.session import prefill_batch, tile_states
 from research.transforms import Transform
 
@@ -57,11 +58,13 @@ class LayerFit(NamedTuple):
 class PatchState(NamedTuple):
     """Transform state: one [Hq*Dh, D] delta per layer (zeros where unpatched) + report."""
 
-    deltas: tuple
+    deltas: tuple  # already multiplied by `strength`
     fits: tuple  # LayerFit per layer (host-side diagnostics)
     fit_seconds: float  # compressed prefill (if needed) + layer-by-layer fitting
     probe_seconds: float  # reference prefill + probes + reference pass (shared)
     n_probe_tokens: int
+    strength: float = 1.0  # global scale chosen on held-out probe rows (0 = no patch)
+    strength_kl: tuple = ()  # (strength, held-out KL(reference || patched)) per candidate
 
 
 def patched_params(model: Model, deltas: Sequence) -> dict:
@@ -103,13 +106,21 @@ def _valid_rows(a: jax.Array, lengths: np.ndarray) -> np.ndarray:
 def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = None,
                 ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(),
                 sequential: bool = True, target: str = "attention",
-                layers: Sequence[int] | None = None) -> PatchState:
+                layers: Sequence[int] | None = None,
+                strengths: Sequence[float] = ()) -> PatchState:
     """Fit the per-layer patches of `model` (whose caches compress) for a probed context.
 
     states: the context's cache states as `model` prefilled them (batch = contexts, at
       least `probed.max_len` slots); prefilled here when None.
+    strengths: global scales of the whole patch that compete on the held-out probe rows by
+      the model's own objective, KL(full-cache reference || patched compressed model) of
+      the next-token distributions (0, the unpatched model, is always a candidate). The
+      per-layer penalties are chosen on attention outputs; this guards the end result,
+      where small per-layer gains can still add up to a worse model (seen with 1-bit
+      caches). Empty: strength 1, no check.
     """
     _validate(model, probed, target, layers)
+    _validate_strengths(strengths, probed)
     t0 = time.perf_counter()
     c, probes = model.config, probed.probes
     if states is None:
@@ -140,9 +151,51 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
                     x_out = layerwise.finish_layer(view, x_in, cap["attn"], wo)
         deltas.append(delta)
         x_cmp = x_out
+    strength, kls = 1.0, ()
+    if strengths:
+        strength, kls = select_strength(model, probed, states, deltas, strengths)
+        deltas = [d * strength for d in deltas]
     jax.block_until_ready(deltas)
     return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t0, probed.seconds,
-                      probes.n_tokens)
+                      probes.n_tokens, strength, kls)
+
+
+def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: Sequence,
+                    strengths: Sequence[float]) -> tuple[float, tuple]:
+    """The scale s of the patch (0 always included) minimising the mean per-token
+    KL(reference || model with W_o + s * Delta) on the held-out probe rows; returns (s,
+    ((s, kl), ...))."""
+    probes = probed.probes
+    rows = np.flatnonzero(probes.holdout)
+    tokens = jnp.asarray(probes.tokens[rows])
+    n_new = jnp.asarray(probes.lengths[rows], jnp.int32)
+    start = jnp.asarray(probed.lengths[probes.context[rows]], jnp.int32)
+    ref_logp = _log_probs(reference_model(model), tokens, start, n_new,
+                          tile_states(probed.ref_states, probes.context[rows]))
+    cmp_states = tile_states(states, probes.context[rows])
+    valid = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
+    kls = []
+    for s in sorted({0.0, *map(float, strengths)}):
+        m = model.replace(params=patched_params(model, [d * s for d in deltas]))
+        logp = _log_probs(m, tokens, start, n_new, cmp_states)
+        kl = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
+        kls.append((s, float(jnp.sum(jnp.where(valid, kl, 0.0)) / jnp.sum(valid))))
+    best = min(kls, key=lambda t: t[1])[0]
+    return best, tuple(kls)
+
+
+def _log_probs(model, tokens, start, n_new, states):
+    logits, _ = session.query_forward(model, tokens, start, n_new, states)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _validate_strengths(strengths, probed):
+    if any(not (isinstance(s, (int, float)) and 0.0 <= s and np.isfinite(s))
+           for s in strengths):
+        raise ValueError(f"strengths must be finite scales >= 0, got {tuple(strengths)}")
+    if strengths and not probed.probes.holdout.any():
+        raise ValueError("strengths are chosen on held-out probe rows: set "
+                         "ProbeConfig.holdout > 0 (with at least two probe rows)")
 
 
 def _fit_layer(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
@@ -181,7 +234,8 @@ def _validate(model, probed, target, layers):
 
 def patchkv(*, probes: ProbeConfig = ProbeConfig(),
             ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(), sequential: bool = True,
-            target: str = "attention", layers: Sequence[int] | None = None) -> Transform:
+            target: str = "attention", layers: Sequence[int] | None = None,
+            strengths: Sequence[float] = ()) -> Transform:
     """Transform: calibrate on the context (CalibrationData), return the patched model.
 
     Prefill the context with the model *before* this transform (it builds the compressed
@@ -195,7 +249,7 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
     def calibrate(model, data):
         return fit_patches(model, probe_context(model, data, probes),
                            ridge_config=ridge_config, sequential=sequential, target=target,
-                           layers=layers)
+                           layers=layers, strengths=strengths)
 
     def apply(model, state):
         if not isinstance(state, PatchState):
@@ -217,6 +271,8 @@ def summarize(state: PatchState) -> dict:
             "val_err_after": mean([f.val_rel_err[1] for f in fits]),
             "mean_rank": mean([f.rank if f.rank is not None else min(state.deltas[f.layer].shape)
                                for f in fits if np.isfinite(f.alpha)]),
+            "strength": state.strength,
+            "strength_kl": [list(t) for t in state.strength_kl],
             "patch_bytes": patch_nbytes(state), "fit_seconds": state.fit_seconds,
             "probe_seconds": state.probe_seconds, "probe_tokens": state.n_probe_tokens}
 

@@ -89,7 +89,7 @@ def pad_rows(rows: Sequence[Sequence[int]], bucket: int = 16) -> tuple[np.ndarra
 
 
 @functools.partial(jax.jit, static_argnames=("capture",))
-def _query_forward(model, tokens, start, n_new, states, capture=False):
+def query_forward(model, tokens, start, n_new, states, capture=False):
     out = forward(model, tokens, cache_states=states, start=start, n_new=n_new,
                   capture=capture)
     attn = None if not capture else tuple(c["attn"] for c in out.captures)
@@ -118,7 +118,7 @@ def score_continuations(model: Model, ctx: ContextCache, continuations: np.ndarr
     q, m = conts.shape
     states = tile_states(ctx.states, np.zeros(q, np.int32))
     start = jnp.full((q,), ctx.length, jnp.int32)
-    logits, attn = _query_forward(model, jnp.asarray(conts), start, jnp.full((q,), m),
+    logits, attn = query_forward(model, jnp.asarray(conts), start, jnp.full((q,), m),
                                   states, capture=attention)
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, jnp.asarray(conts)[:, 1:, None], axis=-1)[..., 0]

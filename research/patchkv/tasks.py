@@ -28,6 +28,7 @@ FACT_TOKENS = 30  # room reserved per fact paragraph
 class ContinuationTask(NamedTuple):
     context: np.ndarray  # [n_ctx] token ids
     continuations: np.ndarray  # [Q, m] token ids, each placed right after the context
+    window: tuple[int, int] = (0, 0)  # [start, end) of context + continuations in the text
 
 
 class RetrievalTask(NamedTuple):
@@ -59,7 +60,8 @@ def continuation_tasks(ids: Sequence[int], *, n_contexts: int, context_len: int,
     for i in range(n_contexts):
         s = i * stride
         conts = ids[s + context_len:s + span].reshape(n_continuations, continuation_len)
-        tasks.append(ContinuationTask(ids[s:s + context_len], conts))
+        tasks.append(ContinuationTask(ids[s:s + context_len], conts,
+                                      (offset + s, offset + s + span)))
     return tasks
 
 

@@ -280,3 +280,33 @@ def test_reduced_rank_patch_is_low_rank_stored_as_factors_and_still_helps(model,
     before, after = _attention_error(model, compressed, patch.apply_patch(compressed, state),
                                      context, queries)
     assert after < before, (before, after)
+
+
+def test_strength_is_chosen_on_held_out_kl_and_scales_the_fitted_patch(model, probed):
+    compressed = evict("streaming_llm", 0.25).apply(model, ())
+    _, states = session.prefill_batch(compressed, probed.tokens, probed.lengths,
+                                      probed.max_len)
+    plain = patch.fit_patches(compressed, probed, states=states)
+    chosen = patch.fit_patches(compressed, probed, states=states, strengths=(0.5, 1.0))
+    kls = dict(chosen.strength_kl)
+    assert set(kls) == {0.0, 0.5, 1.0}
+    assert kls[chosen.strength] == min(kls.values())
+    for a, b in zip(plain.deltas, chosen.deltas):
+        np.testing.assert_allclose(np.asarray(b), chosen.strength * np.asarray(a), rtol=1e-6)
+    # a harmful patch (large random deltas) loses to no patch
+    rng = np.random.default_rng(0)
+    noise = [jnp.asarray(rng.normal(scale=5.0, size=d.shape), jnp.float32)
+             for d in plain.deltas]
+    strength, noisy_kls = patch.select_strength(compressed, probed, states, noise, (1.0,))
+    assert strength == 0.0 and dict(noisy_kls)[1.0] > dict(noisy_kls)[0.0] > 0.0
+
+
+def test_bad_strengths_are_errors(model, probed):
+    compressed = evict("snapkv", 0.25).apply(model, ())
+    with pytest.raises(ValueError, match="strengths"):
+        patch.fit_patches(compressed, probed, strengths=(-1.0,))
+    no_holdout = probed._replace(probes=probed.probes._replace(
+        holdout=np.zeros_like(probed.probes.holdout)))
+    with pytest.raises(ValueError, match="holdout"):
+        patch.fit_patches(compressed, no_holdout, strengths=(1.0,),
+                          ridge_config=RidgeConfig(selection="gcv"))

@@ -31,9 +31,13 @@ def test_continuation_tasks_layout():
     for t in out:
         assert t.context.shape == (100,) and t.continuations.shape == (4, 10)
         np.testing.assert_array_equal(t.continuations[0], t.context[-1] + 1 + np.arange(10))
+        start, end = t.window  # ids are positions here, so the window is checkable
+        np.testing.assert_array_equal(np.concatenate([t.context, t.continuations.ravel()]),
+                                      np.arange(start, end))
     dev = tasks.continuation_tasks(ids, n_contexts=1, context_len=100, n_continuations=4,
                                    continuation_len=10, offset=5000)
     np.testing.assert_array_equal(dev[0].context, 5000 + np.arange(100))
+    assert dev[0].window == (5000, 5140)
     with pytest.raises(ValueError, match="offset"):
         tasks.continuation_tasks(ids, n_contexts=1, context_len=100, n_continuations=1,
                                  continuation_len=10, offset=-1)

@@ -1,0 +1,35 @@
+"""The PatchKV experiment's bookkeeping: pooled and per-context gap closed, claims."""
+import math
+
+import pytest
+
+from experiments.patchkv import experiment as ex
+from experiments.patchkv.patchkv import get_config
+
+
+def _records(ppls):
+    """Continuation records from {(context, compression, method): ppl}, 100 tokens each."""
+    out = []
+    for (ctx, comp, method), ppl in ppls.items():
+        budget = 1.0 if comp == "full" else 0.1
+        out.append({"kind": "continuation", "context": ctx, "compression": comp,
+                    "budget": budget, "method": method, "nll_sum": 100 * math.log(ppl),
+                    "n": 100, "attn_err": 0.0})
+    return out
+
+
+def test_gap_closed_pooled_and_per_context():
+    records = _records({(0, "full", "full"): 20.0, (0, "snapkv", "none"): 22.0,
+                        (0, "snapkv", "patchkv"): 21.0,
+                        (1, "full", "full"): 30.0, (1, "snapkv", "none"): 31.0,
+                        (1, "snapkv", "patchkv"): 31.0})
+    per = ex.gap_closed_per_context(records)
+    assert per["snapkv@0.1"] == pytest.approx([0.5, 0.0])
+    rows = ex.aggregate(records)
+    pooled = ex.gap_closed(rows, "snapkv", 0.1)
+    # pooled over all tokens: geometric means of the per-context perplexities
+    full, none, fixed = (math.sqrt(20 * 30), math.sqrt(22 * 31), math.sqrt(21 * 31))
+    assert pooled == pytest.approx((none - fixed) / (none - full))
+    claims = ex.claims(rows, get_config("small"), None)
+    snap10 = [c for c in claims if c["claim"].startswith("snapkv@10%")]
+    assert len(snap10) == 1 and snap10[0]["met"] == "no"  # pooled 37% < 50%
