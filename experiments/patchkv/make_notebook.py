@@ -47,14 +47,17 @@ CELLS = [
     new_markdown_cell(
         "## Fit the patch: `chain(evict(...), patchkv(...))`\nThe calibration data is the "
         "context itself. Probe queries are sampled continuations of the full-cache model "
-        "plus re-fed spans of the context; lambda is chosen per layer on held-out probe "
-        "rows (the zero patch competes, so a layer that does not gain stays unpatched)."),
+        "(re-fed spans of the context are optional: `n_repeat`); lambda is chosen per layer "
+        "on held-out probe rows (the zero patch competes, so a layer that does not gain "
+        "stays unpatched). `strengths` then scales the whole patch by the factor with the "
+        "least KL(full-cache model || patched model) on the held-out rows, 0 included: the "
+        "per-layer fits see attention outputs, this check sees next-token distributions."),
     new_code_cell(
         "from research.patchkv import patch\n"
         "from research.patchkv.probes import ProbeConfig\n"
         "from research.transforms import CalibrationData, calibrate_and_apply, chain\n"
         "t = chain(evict('snapkv', 0.1), patch.patchkv(probes=ProbeConfig(\n"
-        "    n_generated=4, n_repeat=4, length=32)))\n"
+        "    n_generated=4, n_repeat=4, length=32), strengths=(0.5, 1.0, 1.5)))\n"
         "calib = CalibrationData(jnp.asarray(context[None]), jnp.asarray([len(context)]))\n"
         "patched, (_, pstate) = calibrate_and_apply(t, model, calib)\n"
         "print(t.name)\n"

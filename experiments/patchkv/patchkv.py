@@ -2,7 +2,7 @@ r"""PatchKV on SmolLM2-135M-Instruct: eviction presses x budgets x {no patch, Pa
 GRKV-style ridge merge, Attention-Matching-style value fit}, one context, many queries.
 
 Command:   python -m experiments.run --config=experiments/patchkv/patchkv.py:small
-Hardware:  small = CPU (1 continuation context of 512 tokens with 8 continuations, 2
+Hardware:  small = CPU (2 continuation contexts of 512 tokens with 8 continuations, 2
            retrieval contexts with 4 facts each; SnapKV and StreamingLLM at 10% / 25%),
            see README for the measured wall time; full = all five presses at 10/25/50%,
            4 + 4 contexts of 1024 tokens (hours on CPU, minutes on an accelerator).
@@ -37,30 +37,38 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         seq_len=256, n_seqs=16 if small else 128, kmeans_iters=10 if small else 20,
         max_points=4096 if small else 32768))
     c.continuation = ml_collections.ConfigDict(dict(
-        n_contexts=1 if small else 4, context_len=512 if small else 1024,
+        n_contexts=2 if small else 4, context_len=512 if small else 1024,
         n_continuations=8, continuation_len=64,
         offset=0))  # token offset into the held-out split (0 = the test contexts)
     c.retrieval = ml_collections.ConfigDict(dict(
         n_contexts=2 if small else 4, n_facts=4 if small else 6,
         context_len=512 if small else 1024, max_new_tokens=6))
-    # Probe mix, ridge selection and fit target were chosen on a dev split (2 continuation
-    # contexts at held-out tokens 4096 and 8333, never the test context at 0;
-    # `python -m experiments.patchkv.dev_sweep`), gap closed on dev (SnapKV 10/25%,
-    # StreamingLLM 10/25%, TaSQ 1-bit):
-    #   16 generated + 16 context repeats (old default): 33 / 2 / 50 / 69 / -10%
-    #   32 generated, no repeats, holdout:               82 / 101 / 73 / 79 / -39%  <- chosen
-    #   32 generated, GCV:                               86 / 94 / 68 / 74 / -15%
-    #   32 generated, target "residual":                 77 / 96 / 68 / 75 / +3%
+    # Probe mix, ridge selection, fit target and strength grid were chosen on a dev split
+    # (2 continuation contexts at held-out tokens 4096 and 8333, disjoint from the test
+    # contexts; `python -m experiments.patchkv.dev_sweep`), gap closed on dev (SnapKV
+    # 10/25%, StreamingLLM 10/25%, TaSQ 1-bit):
+    #   16 generated + 16 context repeats (first default): 33 / 2 / 50 / 69 / -10%
+    #   32 generated, no repeats, holdout:                 82 / 101 / 73 / 79 / -39%
+    #   32 generated, target "residual":                   77 / 96 / 68 / 75 / +3%
+    #   64 generated:                                      89 / 115 / 82 / 86 / -14%
+    #   64 generated + strength on held-out KL:            see experiments/patchkv/README.md
     # Repeat rows (induction-like look-backs over evicted spans) dominate the squared
     # error and the patch fitted to them raised the error on real continuations.
     c.probes = ml_collections.ConfigDict(dict(
-        n_generated=32, n_repeat=0, length=64, temperature=1.0, top_p=0.95, holdout=0.25))
+        n_generated=64, n_repeat=0, length=64, temperature=1.0, top_p=0.95, holdout=0.25))
     c.ridge_selection = "holdout"
-    # Fit target per cache family (dev, above): "attention" for eviction presses,
-    # "residual" (also cancel the drift from lower layers) for quantised caches.
+    c.ridge_ranks = ()  # reduced ranks competing with full rank (dev: full rank won ~all)
+    # Global patch scales competing on held-out probe rows by KL(reference || patched);
+    # 0 (no patch) always competes: the model-level "do no harm" guard.
+    c.patch_strengths = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+    # Fit target per cache family: "attention" for eviction presses; for quantised caches
+    # "residual" (also cancel the drift from lower layers) won on dev with 32 probes, but
+    # with 64 probes and the strength guard both targets end at strength 0 on both dev
+    # contexts, and "attention" has the lower held-out KL at every strength (README).
     c.patch_target = "attention"
-    c.quantizer_patch_target = "residual"
+    c.quantizer_patch_target = "attention"
     # Ablations on the first compression at the smallest budget (continuation contexts).
-    c.ablations = ("independent", "residual", "gcv") if not small else ("independent",)
+    c.ablations = (("independent", "residual", "gcv", "rank64", "no_strength") if not small
+                   else ("independent", "rank64", "no_strength"))
     c.check_flops = True
     return c
