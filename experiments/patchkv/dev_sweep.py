@@ -25,12 +25,13 @@ from experiments.patchkv.patchkv import get_config
 from research import data
 from research.model import load
 from research.patchkv import session, tasks
+from research.patchkv.patch import DEV_STRENGTHS
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
 from research.transforms import calibrate_and_apply
 
 STRENGTHS = (0.25, 0.5, 0.75, 1.0)
-WIDE_STRENGTHS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+WIDE_STRENGTHS = DEV_STRENGTHS  # chosen from these two grids on dev
 # name -> (probe overrides, ridge selection, fit_patches kwargs)
 SETTINGS = {
     "base": ({}, "holdout", {}),

@@ -60,7 +60,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.ridge_ranks = ()  # reduced ranks competing with full rank (dev: full rank won ~all)
     # Global patch scales competing on held-out probe rows by KL(reference || patched);
     # 0 (no patch) always competes: the model-level "do no harm" guard.
-    c.patch_strengths = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+    c.patch_strengths = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # = patch.DEV_STRENGTHS
     # Fit target per cache family: "attention" for eviction presses; for quantised caches
     # "residual" (also cancel the drift from lower layers) won on dev with 32 probes, but
     # with 64 probes and the strength guard both targets end at strength 0 on both dev

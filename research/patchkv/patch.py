@@ -15,6 +15,11 @@ Generic over the compression: the patch fits against whatever caches the incomin
 has (an evicting cache, a quantized codec, ...), so `chain(evict(...), patchkv())` and
 `chain(<quantizer>, patchkv())` both work.
 
+Strength (`strengths=`): the per-layer penalties are chosen on attention outputs, so the
+whole patch is then scaled by the candidate factor (0 always included) with the least
+KL(full-cache reference || patched compressed model) on the held-out probe rows: a patch
+that does not help the model's next-token distributions is switched off.
+
 Fitting order (`sequential=True`, default): layers are fit bottom-up and layer l's probe
 queries come from the model whose layers < l are already patched and compressed, i.e. the
 model as deployed; `sequential=False` fits every layer on queries taken from the
@@ -36,14 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.model.llama import Model
-from research.patchkv import layerwise, ridge
+from research.patchkv import layerwise, ridge, session
 from research.patchkv.probes import (ProbeConfig, ProbedContext, probe_context,  # noqa: F401
                                      reference_model)
-from research.patchkv import session
 from research.patchkv.session import prefill_batch, tile_states
 from research.transforms import Transform
 
 TARGETS = ("attention", "residual")
+DEV_STRENGTHS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # experiments/patchkv/README.md
 
 
 class LayerFit(NamedTuple):
@@ -237,6 +242,9 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
             target: str = "attention", layers: Sequence[int] | None = None,
             strengths: Sequence[float] = ()) -> Transform:
     """Transform: calibrate on the context (CalibrationData), return the patched model.
+
+    strengths: see `fit_patches`; the experiments use DEV_STRENGTHS (chosen on a dev
+    split), which also lets the held-out probes switch a harmful patch off.
 
     Prefill the context with the model *before* this transform (it builds the compressed
     cache); serve queries with the patched model (see the module docstring).

@@ -33,3 +33,16 @@ def test_gap_closed_pooled_and_per_context():
     claims = ex.claims(rows, get_config("small"), None)
     snap10 = [c for c in claims if c["claim"].startswith("snapkv@10%")]
     assert len(snap10) == 1 and snap10[0]["met"] == "no"  # pooled 37% < 50%
+
+
+def test_dev_contexts_are_disjoint_from_the_small_test_contexts():
+    import numpy as np
+    from experiments.patchkv.dev_sweep import overlaps
+    from research.patchkv import tasks
+    ids = np.arange(12570)  # the held-out split's length in SmolLM2 tokens
+    cc = get_config("small").continuation
+    test = tasks.continuation_tasks(ids, **cc.to_dict())
+    shape = {k: cc[k] for k in ("context_len", "n_continuations", "continuation_len")}
+    dev = tasks.continuation_tasks(ids, n_contexts=2, offset=4096, **shape)
+    assert not overlaps(dev, test)
+    assert overlaps(tasks.continuation_tasks(ids, n_contexts=2, offset=0, **shape), test)
