@@ -37,6 +37,11 @@ def _calibration(context) -> CalibrationData:
 class Variant(dict):
     """model, states, fit_s, patch_bytes (and a PatchState summary) of one method."""
 
+    @property
+    def strength(self):
+        """The patch strength chosen on held-out probes (None for non-patch methods)."""
+        return self.get("summary", {}).get("strength")
+
 
 def make_variants(compressed, states, probed, methods, ridge_cfg, patch_kwargs=None):
     """Each method's (model, context states) over the same compressed context."""
@@ -116,13 +121,13 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
     length = len(task.context)
     ref = reference_model(model)
     ref_variant = Variant(model=ref, states=probed.ref_states)
-    stops = default_stop_tokens(tok)
     if kind == "continuation":
         ctx = session.ContextCache(probed.ref_states, length, None)
         full = session.score_continuations(ref, ctx, task.continuations, attention=True)
         full_contrib = full.attn_contrib
         score = lambda v: score_continuation(v, length, task, full_contrib)  # noqa: E731
     else:
+        stops = default_stop_tokens(tok)
         score = lambda v: score_retrieval(v, length, task, tok,  # noqa: E731
                                           config.retrieval.max_new_tokens, stops)
     records.append({"kind": kind, "compression": "full", "budget": 1.0, "method": "full",
@@ -133,10 +138,7 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
             kept = kv_kept_bytes(states)
             for method, v in make_variants(m, states, probed, config.methods, ridge_cfg,
                                            patch_kwargs(config, config.patch_target)).items():
-                records.append({"kind": kind, "compression": name, "budget": ratio,
-                                "method": method, "fit_s": v["fit_s"],
-                                "patch_bytes": v["patch_bytes"], "kv_bytes": kept,
-                                **score(v)})
+                records.append(_record(kind, name, ratio, method, v, score, kv_bytes=kept))
             bar.update(1)
     for name, quantizer in quantizers.items():
         # Value refits (grkv, am) need evicted slots: quantizers get no patch / PatchKV.
@@ -147,14 +149,19 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
         for method, v in make_variants(m, states, probed, methods, ridge_cfg,
                                        patch_kwargs(config,
                                                     config.quantizer_patch_target)).items():
-            records.append({"kind": kind, "compression": name, "budget": budget,
-                            "method": method, "fit_s": v["fit_s"],
-                            "patch_bytes": v["patch_bytes"], "kv_bytes": kept, **score(v)})
+            records.append(_record(kind, name, budget, method, v, score, kv_bytes=kept))
         bar.update(1)
     if kind == "continuation":
         run_ablations(model, config, probed, ridge_cfg, score, records)
     for rec in records[first:]:
         rec["context"] = index
+
+
+def _record(kind, compression, budget, method, variant, score, **extra) -> dict:
+    """One raw result: what was run, the fit's cost and the task score."""
+    return {"kind": kind, "compression": compression, "budget": budget, "method": method,
+            "fit_s": variant["fit_s"], "patch_bytes": variant["patch_bytes"],
+            "strength": variant.strength, **extra, **score(variant)}
 
 
 def patch_kwargs(config, target: str) -> dict:
@@ -183,9 +190,8 @@ def run_ablations(model, config, probed, ridge_cfg, score, records):
             raise ValueError(f"unknown ablation {ablation!r}; expected one of {ABLATIONS}")
         kwargs, rc = options[ablation]
         v = make_variants(m, states, probed, ["patchkv"], rc, kwargs)["patchkv"]
-        records.append({"kind": "continuation", "compression": name, "budget": ratio,
-                        "method": f"patchkv[{ablation}]", "fit_s": v["fit_s"],
-                        "patch_bytes": v["patch_bytes"], **score(v)})
+        records.append(_record("continuation", name, ratio, f"patchkv[{ablation}]", v,
+                               score))
 
 
 def aggregate(records):

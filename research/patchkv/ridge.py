@@ -192,7 +192,7 @@ def _fit_ridge(x, y, holdout, config) -> RidgeFit:
         fit, val = _moments(x[~holdout], y[~holdout]), _moments(x[holdout], y[holdout])
         (alpha, rank), val_err = _select_holdout(_eig(*fit, int((~holdout).sum())),
                                                  x[holdout], y[holdout], candidates,
-                                                 config.ranks, config.allow_full_rank)
+                                                 config.ranks, _full_rank_allowed(config, x, y))
         stats = tuple(a + b for a, b in zip(fit, val))  # all rows, without a second pass
     else:
         stats = _moments(x, y)
@@ -205,6 +205,11 @@ def _fit_ridge(x, y, holdout, config) -> RidgeFit:
     if not np.all(np.isfinite(delta)):
         raise FloatingPointError("ridge solution is not finite")
     return RidgeFit(delta, float(alpha), float(lam), train, val_err, rank)
+
+
+def _full_rank_allowed(config: RidgeConfig, x, y) -> bool:
+    """A rank cap at or above the largest possible rank is no cap."""
+    return config.allow_full_rank or max(config.ranks) >= min(x.shape[1], y.shape[1])
 
 
 def _select_holdout(e: GramEig, x_val, y_val, candidates, ranks=(), full_rank=True):

@@ -46,3 +46,37 @@ def test_dev_contexts_are_disjoint_from_the_small_test_contexts():
     dev = tasks.continuation_tasks(ids, n_contexts=2, offset=4096, **shape)
     assert not overlaps(dev, test)
     assert overlaps(tasks.continuation_tasks(ids, n_contexts=2, offset=0, **shape), test)
+
+
+def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
+    import jax
+    import numpy as np
+    from research.model import init_params, make_model, tiny_config
+    from research.patchkv import tasks
+    from research.patchkv.probes import ProbeConfig
+    from research.patchkv.ridge import RidgeConfig
+    from tqdm.auto import tqdm
+    mc = tiny_config(vocab_size=97, dim=48, n_heads=4, n_kv_heads=2, head_dim=12, ffn_dim=96)
+    model = make_model(mc, init_params(mc, jax.random.key(0)))
+    ids = np.asarray(jax.random.randint(jax.random.key(1), (400,), 0, 97))
+    task = tasks.continuation_tasks(ids, n_contexts=1, context_len=96, n_continuations=3,
+                                    continuation_len=12)[0]
+    config = get_config("small")
+    config.compressions, config.budgets = ("snapkv",), (0.25,)
+    config.ablations = ("rank64", "no_strength")
+    records = []
+    with tqdm(total=1, disable=True) as bar:
+        ex.run_context("continuation", model, None, task, config,
+                       ProbeConfig(n_generated=8, length=12), RidgeConfig(), {}, records, bar,
+                       index=3)
+    methods = [r["method"] for r in records]
+    assert methods == ["full", "none", "patchkv", "grkv", "am", "patchkv[rank64]",
+                       "patchkv[no_strength]"]
+    assert all(r["context"] == 3 for r in records)
+    by = {r["method"]: r for r in records}
+    assert by["patchkv"]["strength"] in (0.0, *config.patch_strengths)
+    assert by["patchkv[no_strength]"]["strength"] == 1.0 and by["none"]["strength"] is None
+    assert by["patchkv[rank64]"]["patch_bytes"] <= by["patchkv[no_strength]"]["patch_bytes"]
+    rows = ex.aggregate(records)
+    assert set(ex.gap_closed_per_context(records)) == {"snapkv@0.25"}
+    assert all(math.isfinite(r["ppl"]) for r in rows)

@@ -162,3 +162,13 @@ def test_reduced_rank_needs_holdout_and_positive_ranks():
         ridge.RidgeConfig(selection="gcv", ranks=(4,))
     with pytest.raises(ValueError, match="ranks"):
         ridge.RidgeConfig(allow_full_rank=False)
+
+
+def test_a_rank_cap_above_the_dimensions_is_no_cap():
+    x, y, _ = _data(n=120, d=8, q=6, seed=13)
+    holdout = np.arange(120) % 4 == 0
+    capped = ridge.fit_ridge(x, y, holdout, ridge.RidgeConfig(ranks=(64,),
+                                                              allow_full_rank=False))
+    free = ridge.fit_ridge(x, y, holdout, ridge.RidgeConfig())
+    np.testing.assert_allclose(capped.delta, free.delta)
+    assert capped.rank is None
