@@ -235,7 +235,7 @@ def _select_holdout(e: GramEig, x_val, y_val, candidates, ranks=(), full_rank=Tr
     errs = {(alpha, None): held_out_sq(alpha) for alpha in candidates
             if full_rank or math.isinf(alpha)}
     for alpha in candidates:
-        if ranks and math.isfinite(alpha) and e.scale > 0.0:
+        if ranks and math.isfinite(alpha):  # scale 0 (zero inputs): zero patch, no NaN
             inv = _inverse_eigs(e, _lam(alpha, e.scale))
             for r, err in _reduced_rank_held_out(inv, e.proj, xv, y_val, ranks).items():
                 errs[(alpha, r)] = err
