@@ -30,8 +30,6 @@ from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
 from research.transforms import calibrate_and_apply
 
-STRENGTHS = (0.25, 0.5, 0.75, 1.0)
-WIDE_STRENGTHS = DEV_STRENGTHS  # chosen from these two grids on dev
 # name -> (probe overrides, ridge selection, fit_patches kwargs)
 SETTINGS = {
     "base": ({}, "holdout", {}),
@@ -57,14 +55,10 @@ SETTINGS = {
     "gen32_rank": ({"n_generated": 32, "n_repeat": 0}, "holdout_rank", {}),
     "gen64_rank": ({"n_generated": 64, "n_repeat": 0}, "holdout_rank", {}),
     "gen64_residual": ({"n_generated": 64, "n_repeat": 0}, "holdout", {"target": "residual"}),
-    "gen64_strength": ({"n_generated": 64, "n_repeat": 0}, "holdout",
-                       {"strengths": STRENGTHS}),
     "gen64_wide": ({"n_generated": 64, "n_repeat": 0}, "holdout",
-                   {"strengths": WIDE_STRENGTHS}),
+                   {"strengths": DEV_STRENGTHS}),
     "gen64_residual_wide": ({"n_generated": 64, "n_repeat": 0}, "holdout",
-                            {"target": "residual", "strengths": WIDE_STRENGTHS}),
-    "gen64_residual_strength": ({"n_generated": 64, "n_repeat": 0}, "holdout",
-                                {"target": "residual", "strengths": STRENGTHS}),
+                            {"target": "residual", "strengths": DEV_STRENGTHS}),
     "am": ("baseline", "am", {}),
     "grkv": ("baseline", "grkv", {}),
 }

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from research.model.llama import Model
+from research.model.llama import Model, unembed
 from research.patchkv import layerwise, ridge, session
 from research.patchkv.probes import (ProbeConfig, ProbedContext, probe_context,  # noqa: F401
                                      reference_model)
@@ -175,8 +175,8 @@ def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: 
     tokens = jnp.asarray(probes.tokens[rows])
     n_new = jnp.asarray(probes.lengths[rows], jnp.int32)
     start = jnp.asarray(probed.lengths[probes.context[rows]], jnp.int32)
-    ref_logp = _log_probs(reference_model(model), tokens, start, n_new,
-                          tile_states(probed.ref_states, probes.context[rows]))
+    # the reference pass already ran these rows through the full cache: unembed its output
+    ref_logp = jax.nn.log_softmax(unembed(model, probed.reference.hidden[-1][rows]), axis=-1)
     cmp_states = tile_states(states, probes.context[rows])
     valid = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
     kls = []
