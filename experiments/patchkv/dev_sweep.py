@@ -1,8 +1,9 @@
 """Dev-split sweep of PatchKV settings (probe mix, ridge selection, fit target).
 
-Tunes on continuation contexts taken from the held-out split *after* the tokens the test
-config reads (`continuation.offset`, default 4096; the small test run uses tokens
-[0, 1024)), so no setting is chosen on the test context. Continuation perplexity only
+Tunes on continuation contexts taken from the held-out split at `--offset` (default 4096:
+tokens [4096, 5120) and [8333, 9357)); the small test run reads [0, 1024) and
+[6285, 7309), and `overlaps` refuses dev contexts that share a token with them, so no
+setting is chosen on a test context. Continuation perplexity only
 (retrieval is 8 questions: too coarse to tune on).
 
     python -m experiments.patchkv.dev_sweep --settings base,t07,gen32 [--contexts 2]
