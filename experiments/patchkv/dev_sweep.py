@@ -26,7 +26,7 @@ from experiments.patchkv.patchkv import get_config
 from research import data
 from research.model import load
 from research.patchkv import session, tasks
-from research.patchkv.patch import DEV_STRENGTHS
+from research.patchkv.patch import DEV_QUERY_SCALES, DEV_STRENGTHS
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
 from research.transforms import calibrate_and_apply
@@ -60,6 +60,11 @@ SETTINGS = {
                    {"strengths": DEV_STRENGTHS}),
     "gen64_residual_wide": ({"n_generated": 64, "n_repeat": 0}, "holdout",
                             {"target": "residual", "strengths": DEV_STRENGTHS}),
+    "gen64_wide_qs": ({"n_generated": 64, "n_repeat": 0}, "holdout",
+                      {"strengths": DEV_STRENGTHS, "query_scales": DEV_QUERY_SCALES}),
+    "gen64_residual_wide_qs": ({"n_generated": 64, "n_repeat": 0}, "holdout",
+                               {"target": "residual", "strengths": DEV_STRENGTHS,
+                                "query_scales": DEV_QUERY_SCALES}),
     "am": ("baseline", "am", {}),
     "grkv": ("baseline", "grkv", {}),
 }
@@ -90,6 +95,8 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, default=2)
     ap.add_argument("--offset", type=int, default=4096)
     ap.add_argument("--no-tasq", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated compressions to run "
+                    "(e.g. tasq-1bit, snapkv); default: all of the config's")
     args = ap.parse_args(argv)
     config, model, tok, heldout = load_small()
     cc = config.continuation
@@ -103,6 +110,8 @@ def main(argv=None):
     quantizers = {} if args.no_tasq else ex.calibrate_quantizers(model, tok, config)
     combos = [(n, b) for n in config.compressions for b in config.budgets]
     combos += [(q, None) for q in quantizers]
+    if args.only:
+        combos = [(n, b) for n, b in combos if n in args.only.split(",")]
     nll = {}  # (setting, ctx, compression) -> (nll_sum, n, attn_err)
     ref = reference_model(model)
     full_contrib = {}
@@ -150,7 +159,9 @@ def main(argv=None):
                                       **({k: v["summary"][k] for k in
                                           ("layers_patched", "val_err_before",
                                            "val_err_after", "mean_rank", "patch_bytes",
-                                           "strength", "strength_kl")} if "summary" in v else {})}),
+                                           "strength", "strength_kl", "query_scale",
+                                           "query_scale_kl")}
+                                       if "summary" in v else {})}),
                           flush=True)
             print(f"# {name} ctx {ci}: {time.perf_counter() - t0:.0f}s", flush=True)
         print(table(nll, len(dev), names), flush=True)

@@ -42,6 +42,11 @@ class Variant(dict):
         """The patch strength chosen on held-out probes (None for non-patch methods)."""
         return self.get("summary", {}).get("strength")
 
+    @property
+    def query_scale(self):
+        """The W_q scale chosen on held-out probes (1 = none; None for non-patch methods)."""
+        return self.get("summary", {}).get("query_scale")
+
 
 def make_variants(compressed, states, probed, methods, ridge_cfg, patch_kwargs=None):
     """Each method's (model, context states) over the same compressed context."""
@@ -137,7 +142,7 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
             m, states = compressed_states(model, name, ratio, probed)
             kept = kv_kept_bytes(states)
             for method, v in make_variants(m, states, probed, config.methods, ridge_cfg,
-                                           patch_kwargs(config, config.patch_target)).items():
+                                           patch_kwargs(config, "eviction")).items():
                 records.append(_record(kind, name, ratio, method, v, score, kv_bytes=kept))
             bar.update(1)
     for name, quantizer in quantizers.items():
@@ -147,8 +152,7 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
         budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
         methods = [x for x in config.methods if x not in baselines.METHODS]
         for method, v in make_variants(m, states, probed, methods, ridge_cfg,
-                                       patch_kwargs(config,
-                                                    config.quantizer_patch_target)).items():
+                                       patch_kwargs(config, "quantizer")).items():
             records.append(_record(kind, name, budget, method, v, score, kv_bytes=kept))
         bar.update(1)
     if kind == "continuation":
@@ -161,12 +165,19 @@ def _record(kind, compression, budget, method, variant, score, **extra) -> dict:
     """One raw result: what was run, the fit's cost and the task score."""
     return {"kind": kind, "compression": compression, "budget": budget, "method": method,
             "fit_s": variant["fit_s"], "patch_bytes": variant["patch_bytes"],
-            "strength": variant.strength, **extra, **score(variant)}
+            "strength": variant.strength, "query_scale": variant.query_scale, **extra,
+            **score(variant)}
 
 
-def patch_kwargs(config, target: str) -> dict:
-    """fit_patches options of the config for a fit target."""
-    return {"target": target, "strengths": tuple(config.get("patch_strengths", ()))}
+def patch_kwargs(config, family: str) -> dict:
+    """fit_patches options of the config for a cache family ("eviction" or "quantizer")."""
+    if family not in ("eviction", "quantizer"):
+        raise ValueError(f"family must be 'eviction' or 'quantizer', got {family!r}")
+    quantizer = family == "quantizer"
+    return {"target": config.quantizer_patch_target if quantizer else config.patch_target,
+            "strengths": tuple(config.get("patch_strengths", ())),
+            "query_scales": tuple(config.get("quantizer_query_scales", ())) if quantizer
+            else ()}
 
 
 ABLATIONS = ("independent", "residual", "gcv", "rank64", "no_strength")
@@ -178,7 +189,7 @@ def run_ablations(model, config, probed, ridge_cfg, score, records):
     64 (stored as factors: ~1/5 of the dense bytes) and no strength selection."""
     name, ratio = config.compressions[0], min(config.budgets)
     m, states = compressed_states(model, name, ratio, probed)
-    default = patch_kwargs(config, config.patch_target)
+    default = patch_kwargs(config, "eviction")
     options = {"independent": ({**default, "sequential": False}, ridge_cfg),
                "residual": ({**default, "target": "residual"}, ridge_cfg),
                "gcv": (default, RidgeConfig(selection="gcv")),
@@ -248,9 +259,13 @@ def gap_closed_per_context(records) -> dict:
 
 
 def flops_check(model, name, ratio, probed) -> dict:
-    """XLA cost-analysis FLOPs of the compiled decode step, unpatched vs patched."""
+    """XLA cost-analysis FLOPs of the compiled decode step, unpatched vs patched (the
+    fitted W_o patch, plus a W_q scale as the quantised caches' patches carry)."""
     m, states = compressed_states(model, name, ratio, probed)
-    patched = patch.apply_patch(m, patch.fit_patches(m, probed, states=states))
+    state = patch.fit_patches(m, probed, states=states)
+    c = model.config
+    state = state._replace(query_scales=(np.full(c.n_heads, 1.2, np.float32),) * c.n_layers)
+    patched = patch.apply_patch(m, state)
     b = 1
     args = (jnp.zeros((b,), jnp.int32), jnp.asarray(probed.lengths[:b], jnp.int32),
             jnp.ones((b,), bool), states)

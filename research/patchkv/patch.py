@@ -20,6 +20,15 @@ whole patch is then scaled by the candidate factor (0 always included) with the 
 KL(full-cache reference || patched compressed model) on the held-out probe rows: a patch
 that does not help the model's next-token distributions is switched off.
 
+Query scale (`query_scales=`, off by default): before the W_o patches are fit, one scalar
+on every query head's W_q columns (a logit temperature) competes on the held-out probe
+rows by the same KL as the strength (1, no change, always competes). A 1-bit key codebook
+returns each key's conditional mean, so the logits lose the spread the coding error
+carried and attention comes out too flat; no map of the attention output sharpens it
+back. A scalar per head commutes with RoPE and folds into W_q: still zero per-query cost.
+(Picking a scale per head by attention-output error instead chose scales below 1: the
+squared error rewards hedged, flat attention; experiments/patchkv/README.md.)
+
 Fitting order (`sequential=True`, default): layers are fit bottom-up and layer l's probe
 queries come from the model whose layers < l are already patched and compressed, i.e. the
 model as deployed; `sequential=False` fits every layer on queries taken from the
@@ -49,6 +58,7 @@ from research.transforms import Transform
 
 TARGETS = ("attention", "residual")
 DEV_STRENGTHS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # experiments/patchkv/README.md
+DEV_QUERY_SCALES = (0.9, 1.1, 1.2, 1.3, 1.4)  # quantised caches (same README)
 
 
 class LayerFit(NamedTuple):
@@ -70,30 +80,49 @@ class PatchState(NamedTuple):
     n_probe_tokens: int
     strength: float = 1.0  # global scale chosen on held-out probe rows (0 = no patch)
     strength_kl: tuple = ()  # (strength, held-out KL(reference || patched)) per candidate
+    query_scales: tuple = ()  # per layer [Hq] W_q head scales; () = W_q untouched
+    query_scale_kl: tuple = ()  # (scale, held-out KL) per candidate query scale
 
 
-def patched_params(model: Model, deltas: Sequence) -> dict:
+def patched_params(model: Model, deltas: Sequence, query_scales: Sequence = ()) -> dict:
+    """Params with W_o + delta per layer and, if given, W_q's head columns scaled."""
     layers = model.params["layers"]
     if len(deltas) != len(layers):
         raise ValueError(f"patch has {len(deltas)} layers, model has {len(layers)}")
+    if query_scales and len(query_scales) != len(layers):
+        raise ValueError(f"query_scales has {len(query_scales)} layers, model has "
+                         f"{len(layers)}")
     new_layers = []
     for i, (p, d) in enumerate(zip(layers, deltas)):
         if d.shape != p["wo"].shape:
             raise ValueError(f"layer {i}: patch shape {d.shape} != wo shape {p['wo'].shape}")
-        new_layers.append({**p, "wo": (p["wo"].astype(jnp.float32) + d).astype(p["wo"].dtype)})
+        new = {**p, "wo": (p["wo"].astype(jnp.float32) + d).astype(p["wo"].dtype)}
+        if query_scales:
+            new["wq"] = scaled_wq(p["wq"], query_scales[i], model.config.head_dim)
+        new_layers.append(new)
     return {**model.params, "layers": tuple(new_layers)}
 
 
+def scaled_wq(wq: jax.Array, head_scales, head_dim: int) -> jax.Array:
+    """W_q [D, Hq*Dh] with each query head's columns times its scale [Hq]."""
+    scales = jnp.repeat(jnp.asarray(head_scales, jnp.float32), head_dim)
+    if scales.shape != wq.shape[-1:]:
+        raise ValueError(f"head scales {np.shape(head_scales)} do not match wq {wq.shape} "
+                         f"with head_dim={head_dim}")
+    return (wq.astype(jnp.float32) * scales).astype(wq.dtype)
+
+
 def apply_patch(model: Model, state: PatchState) -> Model:
-    return model.replace(params=patched_params(model, state.deltas),
+    return model.replace(params=patched_params(model, state.deltas, state.query_scales),
                          tags=model.tags + ("patchkv",))
 
 
 def patch_nbytes(state: PatchState) -> int:
     """Bytes of the non-zero layer patches (f32) as a server stores them per context: the
-    dense delta, or its two factors [d_in, r] and [r, d_out] for a reduced-rank patch."""
+    dense delta, or its two factors [d_in, r] and [r, d_out] for a reduced-rank patch, plus
+    the query head scales of layers that have any."""
     rank = {f.layer: f.rank for f in state.fits}
-    total = 0
+    total = sum(int(np.asarray(q).nbytes) for q in state.query_scales if np.any(q != 1))
     for layer, d in enumerate(state.deltas):
         if bool(jnp.any(d != 0)):
             r = rank.get(layer)
@@ -112,7 +141,8 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
                 ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(),
                 sequential: bool = True, target: str = "attention",
                 layers: Sequence[int] | None = None,
-                strengths: Sequence[float] = ()) -> PatchState:
+                strengths: Sequence[float] = (),
+                query_scales: Sequence[float] = ()) -> PatchState:
     """Fit the per-layer patches of `model` (whose caches compress) for a probed context.
 
     states: the context's cache states as `model` prefilled them (batch = contexts, at
@@ -123,9 +153,13 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
       per-layer penalties are chosen on attention outputs; this guards the end result,
       where small per-layer gains can still add up to a worse model (seen with 1-bit
       caches). Empty: strength 1, no check.
+    query_scales: candidate W_q scales, one for every query head of every layer (1
+      always competes), chosen on the held-out rows by the same KL before any W_o patch
+      is fit (see the module docstring); empty: W_q is left alone.
     """
     _validate(model, probed, target, layers)
     _validate_strengths(strengths, probed)
+    _validate_query_scales(query_scales, probed)
     t0 = time.perf_counter()
     c, probes = model.config, probed.probes
     if states is None:
@@ -134,6 +168,11 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
     n_new = jnp.asarray(probes.lengths, jnp.int32)
     holdout = np.repeat(probes.holdout, probes.lengths)
     to_fit = set(range(c.n_layers) if layers is None else layers)
+    scales, scale_kls = [], ()
+    if query_scales:  # chosen first, so the W_o patches are fit on the sharpened model
+        scale, scale_kls = select_query_scale(model, probed, states, query_scales)
+        scales = [np.full(c.n_heads, scale, np.float32)] * c.n_layers
+        model = model.replace(params=patched_params(model, _no_deltas(model), scales))
     x_cmp = probed.reference.hidden[0]
     deltas, fits = [], []
     for layer in range(c.n_layers):
@@ -142,18 +181,18 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
         s_cmp = tile_states(states[layer:layer + 1], probes.context)[0]
         view = layerwise.layer_view(model, layer)
         x_out, cap = layerwise.run_layer(view, x_in, start, n_new, s_cmp)
+        o_cmp, o_ref = cap["attn"], probed.reference.captures[layer]["attn"]
         delta = jnp.zeros(model.params["layers"][layer]["wo"].shape, jnp.float32)
         if layer in to_fit:
             drift = x_ref - x_in if target == "residual" else None
-            fit_delta, fit = _fit_layer(model, layer, cap["attn"],
-                                        probed.reference.captures[layer]["attn"], drift,
+            fit_delta, fit = _fit_layer(model, layer, o_cmp, o_ref, drift,
                                         probes.lengths, holdout, ridge_config)
             fits.append(fit)
             if np.any(fit_delta):
                 delta = jnp.asarray(fit_delta, jnp.float32)
                 if sequential:  # the next layer sees this layer patched
                     wo = patched_params(view, [delta])["layers"][0]["wo"]
-                    x_out = layerwise.finish_layer(view, x_in, cap["attn"], wo)
+                    x_out = layerwise.finish_layer(view, x_in, o_cmp, wo)
         deltas.append(delta)
         x_cmp = x_out
     strength, kls = 1.0, ()
@@ -162,7 +201,24 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
         deltas = [d * strength for d in deltas]
     jax.block_until_ready(deltas)
     return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t0, probed.seconds,
-                      probes.n_tokens, strength, kls)
+                      probes.n_tokens, strength, kls, tuple(scales), scale_kls)
+
+
+def select_query_scale(model: Model, probed: ProbedContext, states: tuple,
+                       grid: Sequence[float]) -> tuple[float, tuple]:
+    """The W_q scale t of every query head (1 always included) minimising the mean
+    per-token KL(reference || model with W_q * t) on the held-out probe rows; returns
+    (t, ((t, kl), ...))."""
+    held_out_kl = _held_out_kl(model, probed, states)
+    no_deltas = _no_deltas(model)
+    kls = tuple((t, held_out_kl(patched_params(
+        model, no_deltas, [np.full(model.config.n_heads, t)] * model.config.n_layers)))
+        for t in sorted({1.0, *map(float, grid)}))
+    return min(kls, key=lambda t: t[1])[0], kls
+
+
+def _no_deltas(model: Model) -> list:
+    return [jnp.zeros(p["wo"].shape, jnp.float32) for p in model.params["layers"]]
 
 
 def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: Sequence,
@@ -170,6 +226,15 @@ def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: 
     """The scale s of the patch (0 always included) minimising the mean per-token
     KL(reference || model with W_o + s * Delta) on the held-out probe rows; returns (s,
     ((s, kl), ...))."""
+    held_out_kl = _held_out_kl(model, probed, states)
+    kls = tuple((s, held_out_kl(patched_params(model, [d * s for d in deltas])))
+                for s in sorted({0.0, *map(float, strengths)}))
+    return min(kls, key=lambda t: t[1])[0], kls
+
+
+def _held_out_kl(model: Model, probed: ProbedContext, states: tuple):
+    """params -> mean per-token KL(full-cache reference || `model` with those params) of
+    the next-token distributions on the held-out probe rows, over the compressed `states`."""
     probes = probed.probes
     rows = np.flatnonzero(probes.holdout)
     tokens = jnp.asarray(probes.tokens[rows])
@@ -179,14 +244,13 @@ def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: 
     ref_logp = jax.nn.log_softmax(unembed(model, probed.reference.hidden[-1][rows]), axis=-1)
     cmp_states = tile_states(states, probes.context[rows])
     valid = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
-    kls = []
-    for s in sorted({0.0, *map(float, strengths)}):
-        m = model.replace(params=patched_params(model, [d * s for d in deltas]))
-        logp = _log_probs(m, tokens, start, n_new, cmp_states)
-        kl = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
-        kls.append((s, float(jnp.sum(jnp.where(valid, kl, 0.0)) / jnp.sum(valid))))
-    best = min(kls, key=lambda t: t[1])[0]
-    return best, tuple(kls)
+
+    def kl(params) -> float:
+        logp = _log_probs(model.replace(params=params), tokens, start, n_new, cmp_states)
+        per_token = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
+        return float(jnp.sum(jnp.where(valid, per_token, 0.0)) / jnp.sum(valid))
+
+    return kl
 
 
 def _log_probs(model, tokens, start, n_new, states):
@@ -222,6 +286,15 @@ def _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config)
                                fit.rank)
 
 
+def _validate_query_scales(query_scales, probed):
+    if any(not (isinstance(t, (int, float)) and 0.0 < t and np.isfinite(t))
+           for t in query_scales):
+        raise ValueError(f"query_scales must be finite scales > 0, got {tuple(query_scales)}")
+    if query_scales and not probed.probes.holdout.any():
+        raise ValueError("query_scales are chosen on held-out probe rows: set "
+                         "ProbeConfig.holdout > 0 (with at least two probe rows)")
+
+
 def _validate(model, probed, target, layers):
     if not isinstance(probed, ProbedContext):
         raise TypeError(f"probed must be a ProbedContext (research.patchkv.probes."
@@ -240,11 +313,12 @@ def _validate(model, probed, target, layers):
 def patchkv(*, probes: ProbeConfig = ProbeConfig(),
             ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(), sequential: bool = True,
             target: str = "attention", layers: Sequence[int] | None = None,
-            strengths: Sequence[float] = ()) -> Transform:
+            strengths: Sequence[float] = (), query_scales: Sequence[float] = ()) -> Transform:
     """Transform: calibrate on the context (CalibrationData), return the patched model.
 
-    strengths: see `fit_patches`; the experiments use DEV_STRENGTHS (chosen on a dev
-    split), which also lets the held-out probes switch a harmful patch off.
+    strengths, query_scales: see `fit_patches`; the experiments use DEV_STRENGTHS (chosen
+    on a dev split), which also lets the held-out probes switch a harmful patch off, and
+    DEV_QUERY_SCALES on quantised caches.
 
     Prefill the context with the model *before* this transform (it builds the compressed
     cache); serve queries with the patched model (see the module docstring).
@@ -257,7 +331,7 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
     def calibrate(model, data):
         return fit_patches(model, probe_context(model, data, probes),
                            ridge_config=ridge_config, sequential=sequential, target=target,
-                           layers=layers, strengths=strengths)
+                           layers=layers, strengths=strengths, query_scales=query_scales)
 
     def apply(model, state):
         if not isinstance(state, PatchState):
@@ -280,6 +354,9 @@ def summarize(state: PatchState) -> dict:
             "mean_rank": mean([f.rank if f.rank is not None else min(state.deltas[f.layer].shape)
                                for f in fits if np.isfinite(f.alpha)]),
             "strength": state.strength,
+            "query_scale": (float(np.mean(state.query_scales)) if state.query_scales
+                            else 1.0),
+            "query_scale_kl": [list(t) for t in state.query_scale_kl],
             "strength_kl": [list(t) for t in state.strength_kl],
             "patch_bytes": patch_nbytes(state), "fit_seconds": state.fit_seconds,
             "probe_seconds": state.probe_seconds, "probe_tokens": state.n_probe_tokens}

@@ -56,8 +56,13 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     from research.patchkv.probes import ProbeConfig
     from research.patchkv.ridge import RidgeConfig
     from tqdm.auto import tqdm
-    mc = tiny_config(vocab_size=97, dim=48, n_heads=4, n_kv_heads=2, head_dim=12, ffn_dim=96)
+    from research.tasq import TaSQConfig, tasq
+    from research.transforms import CalibrationData, frozen
+    mc = tiny_config(vocab_size=97, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96)
     model = make_model(mc, init_params(mc, jax.random.key(0)))
+    other = CalibrationData.from_ids(np.random.default_rng(0).integers(0, 97, 4 * 64), 64, 4)
+    quantizer = tasq(TaSQConfig(kmeans_iters=3, max_points=256))
+    quantizers = {"tasq-1bit": frozen(quantizer, quantizer.calibrate(model, other))}
     ids = np.asarray(jax.random.randint(jax.random.key(1), (400,), 0, 97))
     task = tasks.continuation_tasks(ids, n_contexts=1, context_len=96, n_continuations=3,
                                     continuation_len=12)[0]
@@ -67,14 +72,23 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     records = []
     with tqdm(total=1, disable=True) as bar:
         ex.run_context("continuation", model, None, task, config,
-                       ProbeConfig(n_generated=8, length=12), RidgeConfig(), {}, records, bar,
-                       index=3)
-    methods = [r["method"] for r in records]
-    assert methods == ["full", "none", "patchkv", "grkv", "am", "patchkv[rank64]",
-                       "patchkv[no_strength]"]
+                       ProbeConfig(n_generated=8, length=12), RidgeConfig(), quantizers,
+                       records, bar, index=3)
+    methods = [(r["compression"], r["method"]) for r in records]
+    assert methods == [("full", "full")] + [("snapkv", m) for m in ("none", "patchkv", "grkv",
+                                                                     "am")] + [
+        ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"), ("snapkv", "patchkv[rank64]"),
+        ("snapkv", "patchkv[no_strength]")]
+    records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"],
+                          [r for r in records if r["compression"] == "tasq-1bit"])
+    # quantised caches: the W_q scale competes (eviction: none), budget = KV byte fraction
+    assert min(abs(tasq_rows[1]["query_scale"] - t)
+               for t in (1.0, *config.quantizer_query_scales)) < 1e-6
+    assert tasq_rows[0]["query_scale"] is None and 0 < tasq_rows[0]["budget"] < 0.1
     assert all(r["context"] == 3 for r in records)
     by = {r["method"]: r for r in records}
     assert by["patchkv"]["strength"] in (0.0, *config.patch_strengths)
+    assert by["patchkv"]["query_scale"] == 1.0
     assert by["patchkv[no_strength]"]["strength"] == 1.0 and by["none"]["strength"] is None
     assert by["patchkv[rank64]"]["patch_bytes"] <= by["patchkv[no_strength]"]["patch_bytes"]
     rows = ex.aggregate(records)

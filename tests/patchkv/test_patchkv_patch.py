@@ -79,16 +79,38 @@ class RoundingKVCache(KVCache):
         scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / (self.levels // 2) + 1e-12
         return jnp.round(x / scale) * scale
 
+    def code_keys(self, k):
+        return self._round(k)
+
+    def code_values(self, v):
+        return self._round(v)
+
     def update_and_attend(self, state, q, k, v, *, start, n_new, window):
         max_len = state["k"].shape[1]
         slots = write_positions(start, n_new, q.shape[1], max_len)
-        state = {"k": scatter_tokens(state["k"], slots, self._round(k)),
-                 "v": scatter_tokens(state["v"], slots, self._round(v))}
+        state = {"k": scatter_tokens(state["k"], slots, self.code_keys(k)),
+                 "v": scatter_tokens(state["v"], slots, self.code_values(v))}
         q_pos = start[:, None] + jnp.arange(q.shape[1])[None, :]
         kv_pos = jnp.broadcast_to(jnp.arange(max_len)[None, :], (q.shape[0], max_len))
         out = attend(q, state["k"], state["v"], q_pos, kv_pos,
                      kv_pos < (start + n_new)[:, None], window)
         return out, state
+
+
+@pytree_dataclass
+class ShrunkKeysKVCache(RoundingKVCache):
+    """Test-only codec that stores keys times `key_scale` and values exactly: every logit
+    over the cache is scaled by key_scale, a flattening a W_q scale of 1 / key_scale
+    undoes (exactly in layer 0; above it the context's cache is what the unpatched model
+    prefilled)."""
+
+    key_scale: float = static_field(default=0.8)
+
+    def code_keys(self, k):
+        return k * self.key_scale
+
+    def code_values(self, v):
+        return v
 
 
 def rounding_kv(levels=3) -> Transform:
@@ -183,6 +205,12 @@ def test_zero_per_query_overhead(model, probed):
         return cost["flops"]
 
     assert flops(patched) == flops(compressed) > 0
+    c = model.config  # a W_q scale (quantised caches' patches) folds in the same way
+    state = patch.fit_patches(compressed, probed)._replace(
+        query_scales=(np.full(c.n_heads, 1.5, np.float32),) * c.n_layers)
+    scaled = patch.apply_patch(compressed, state)
+    assert not np.allclose(scaled.params["layers"][0]["wq"], patched.params["layers"][0]["wq"])
+    assert shapes(scaled) == shapes(compressed) and flops(scaled) == flops(compressed)
 
 
 def test_sequential_and_independent_agree_on_layer_zero_only(model, probed):
@@ -310,3 +338,51 @@ def test_bad_strengths_are_errors(model, probed):
     with pytest.raises(ValueError, match="holdout"):
         patch.fit_patches(compressed, no_holdout, strengths=(1.0,),
                           ridge_config=RidgeConfig(selection="gcv"))
+
+
+def test_query_scale_undoes_flattened_logits(model, context, probed, queries):
+    compressed = model.replace(caches=tuple(ShrunkKeysKVCache(key_scale=0.8)
+                                            for _ in model.caches))
+    _, states = session.prefill_batch(compressed, probed.tokens, probed.lengths,
+                                      probed.max_len)
+    state = patch.fit_patches(compressed, probed, states=states, strengths=(1.0,),
+                              query_scales=(0.9, 1.25, 1.6))
+    kls = dict(state.query_scale_kl)  # not 0: the unpatched model prefilled the context
+    assert set(kls) == {0.9, 1.0, 1.25, 1.6}
+    assert min(kls, key=kls.get) == 1.25 and kls[1.25] < 0.1 * kls[1.0], kls
+    assert len(state.query_scales) == model.config.n_layers
+    for scales in state.query_scales:  # every head of every layer: 1 / 0.8
+        np.testing.assert_array_equal(scales, np.full(model.config.n_heads, 1.25, np.float32))
+    patched = patch.apply_patch(compressed, state)
+    before, after = _attention_error(model, compressed, patched, context, queries)
+    assert after < 0.25 * before, (before, after)
+    shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), m.params)  # noqa: E731
+    assert shapes(patched) == shapes(compressed)
+    h, dh = model.config.n_heads, model.config.head_dim
+    for p0, p1 in zip(compressed.params["layers"], patched.params["layers"]):
+        np.testing.assert_allclose(np.asarray(p1["wq"]), 1.25 * np.asarray(p0["wq"]),
+                                   rtol=1e-6)
+    summary = patch.summarize(state)
+    assert summary["query_scale"] == pytest.approx(1.25)
+    assert patch.patch_nbytes(state) >= model.config.n_layers * h * 4
+
+
+def test_query_scale_stays_one_without_compression(model, probed):
+    none = patch.fit_patches(model, probed, query_scales=(0.8, 1.2))
+    assert all(np.all(q == 1.0) for q in none.query_scales)
+    assert patch.patch_nbytes(none) == 0 and dict(none.query_scale_kl)[1.0] < 1e-6
+
+
+def test_bad_query_scales_are_errors(model, probed):
+    with pytest.raises(ValueError, match="query_scales"):
+        patch.fit_patches(model, probed, query_scales=(0.0,))
+    no_holdout = probed._replace(probes=probed.probes._replace(
+        holdout=np.zeros_like(probed.probes.holdout)))
+    with pytest.raises(ValueError, match="held-out"):
+        patch.fit_patches(model, no_holdout, query_scales=(1.2,),
+                          ridge_config=RidgeConfig(selection="gcv"))
+    with pytest.raises(ValueError, match="head scales"):
+        patch.scaled_wq(model.params["layers"][0]["wq"], [1.0] * 3, model.config.head_dim)
+    with pytest.raises(ValueError, match="query_scales has"):
+        patch.patched_params(model, [jnp.zeros_like(p["wo"]) for p in model.params["layers"]],
+                             [np.ones(model.config.n_heads)])
