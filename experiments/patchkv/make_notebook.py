@@ -64,6 +64,13 @@ CELLS = [
         "print({k: round(v, 3) if isinstance(v, float) else v\n"
         "       for k, v in patch.summarize(pstate).items()})"),
     new_markdown_cell(
+        "On a quantised cache the same transform chains after the quantizer: "
+        "`chain(frozen_tasq, patch.patchkv(strengths=patch.DEV_STRENGTHS, "
+        "query_scales=patch.DEV_QUERY_SCALES))`. `query_scales` first lets one W_q scale "
+        "per query head (a logit temperature, folded into the weight) compete on the same "
+        "held-out KL: a 1-bit key codebook flattens attention, which no map of the "
+        "attention output can sharpen back."),
+    new_markdown_cell(
         "## Many queries over one compressed context\nThe compressed cache was built by the "
         "unpatched model; every query is served by the patched one over that cache."),
     new_code_cell(

@@ -153,9 +153,10 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
       per-layer penalties are chosen on attention outputs; this guards the end result,
       where small per-layer gains can still add up to a worse model (seen with 1-bit
       caches). Empty: strength 1, no check.
-    query_scales: candidate W_q scales, one for every query head of every layer (1
-      always competes), chosen on the held-out rows by the same KL before any W_o patch
-      is fit (see the module docstring); empty: W_q is left alone.
+    query_scales: candidate W_q scales, one for every query head of every layer (also
+      those `layers` leaves out; 1 always competes), chosen on the held-out rows by the
+      same KL before any W_o patch is fit (see the module docstring); empty: W_q is left
+      alone.
     """
     _validate(model, probed, target, layers)
     _validate_strengths(strengths, probed)
@@ -338,7 +339,8 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
             raise TypeError(f"patchkv state must be a PatchState, got {type(state).__name__}")
         return apply_patch(model, state)
 
-    name = f"patchkv({'seq' if sequential else 'indep'},{target},{ridge_config.selection})"
+    name = (f"patchkv({'seq' if sequential else 'indep'},{target},{ridge_config.selection}"
+            f"{',query_scale' if query_scales else ''})")
     return Transform(calibrate, apply, name)
 
 
