@@ -111,7 +111,12 @@ def main(argv=None):
     combos = [(n, b) for n in config.compressions for b in config.budgets]
     combos += [(q, None) for q in quantizers]
     if args.only:
-        combos = [(n, b) for n, b in combos if n in args.only.split(",")]
+        only = args.only.split(",")
+        unknown = sorted(set(only) - {n for n, _ in combos})
+        if unknown:
+            sys.exit(f"--only: unknown compressions {unknown}; expected some of "
+                     f"{sorted({n for n, _ in combos})}")
+        combos = [(n, b) for n, b in combos if n in only]
     nll = {}  # (setting, ctx, compression) -> (nll_sum, n, attn_err)
     ref = reference_model(model)
     full_contrib = {}
