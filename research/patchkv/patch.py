@@ -169,10 +169,13 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
     n_new = jnp.asarray(probes.lengths, jnp.int32)
     holdout = np.repeat(probes.holdout, probes.lengths)
     to_fit = set(range(c.n_layers) if layers is None else layers)
+    # one held-out setup (reference log-probs, tiled caches) serves both choices below
+    held_out_kl = _held_out_kl(model, probed, states) if strengths or query_scales else None
     scales, scale_kls = [], ()
     if query_scales:  # chosen first, so the W_o patches are fit on the sharpened model
-        scale, scale_kls = select_query_scale(model, probed, states, query_scales)
-        scales = [np.full(c.n_heads, scale, np.float32)] * c.n_layers
+        scale, scale_kls = select_query_scale(model, probed, states, query_scales,
+                                              held_out_kl)
+        scales = _uniform_scales(model, scale)
         model = model.replace(params=patched_params(model, _no_deltas(model), scales))
     x_cmp = probed.reference.hidden[0]
     deltas, fits = [], []
@@ -198,7 +201,8 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
         x_cmp = x_out
     strength, kls = 1.0, ()
     if strengths:
-        strength, kls = select_strength(model, probed, states, deltas, strengths)
+        strength, kls = select_strength(model, probed, states, deltas, strengths,
+                                        held_out_kl)
         deltas = [d * strength for d in deltas]
     jax.block_until_ready(deltas)
     return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t0, probed.seconds,
@@ -206,16 +210,20 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
 
 
 def select_query_scale(model: Model, probed: ProbedContext, states: tuple,
-                       grid: Sequence[float]) -> tuple[float, tuple]:
+                       grid: Sequence[float], held_out_kl=None) -> tuple[float, tuple]:
     """The W_q scale t of every query head (1 always included) minimising the mean
     per-token KL(reference || model with W_q * t) on the held-out probe rows; returns
-    (t, ((t, kl), ...))."""
-    held_out_kl = _held_out_kl(model, probed, states)
+    (t, ((t, kl), ...)). held_out_kl: a `_held_out_kl` of the same context to reuse."""
+    held_out_kl = held_out_kl or _held_out_kl(model, probed, states)
     no_deltas = _no_deltas(model)
-    kls = tuple((t, held_out_kl(patched_params(
-        model, no_deltas, [np.full(model.config.n_heads, t)] * model.config.n_layers)))
-        for t in sorted({1.0, *map(float, grid)}))
+    kls = tuple((t, held_out_kl(patched_params(model, no_deltas, _uniform_scales(model, t))))
+                for t in sorted({1.0, *map(float, grid)}))
     return min(kls, key=lambda t: t[1])[0], kls
+
+
+def _uniform_scales(model: Model, scale: float) -> list:
+    """The same W_q scale for every query head of every layer."""
+    return [np.full(model.config.n_heads, scale, np.float32)] * model.config.n_layers
 
 
 def _no_deltas(model: Model) -> list:
@@ -223,11 +231,11 @@ def _no_deltas(model: Model) -> list:
 
 
 def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: Sequence,
-                    strengths: Sequence[float]) -> tuple[float, tuple]:
+                    strengths: Sequence[float], held_out_kl=None) -> tuple[float, tuple]:
     """The scale s of the patch (0 always included) minimising the mean per-token
     KL(reference || model with W_o + s * Delta) on the held-out probe rows; returns (s,
-    ((s, kl), ...))."""
-    held_out_kl = _held_out_kl(model, probed, states)
+    ((s, kl), ...)). held_out_kl: a `_held_out_kl` of the same context to reuse."""
+    held_out_kl = held_out_kl or _held_out_kl(model, probed, states)
     kls = tuple((s, held_out_kl(patched_params(model, [d * s for d in deltas])))
                 for s in sorted({0.0, *map(float, strengths)}))
     return min(kls, key=lambda t: t[1])[0], kls
@@ -235,7 +243,9 @@ def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: 
 
 def _held_out_kl(model: Model, probed: ProbedContext, states: tuple):
     """params -> mean per-token KL(full-cache reference || `model` with those params) of
-    the next-token distributions on the held-out probe rows, over the compressed `states`."""
+    the next-token distributions on the held-out probe rows, over the compressed `states`.
+    `params` are complete (embeddings included), so the closure serves any patch of
+    `model`, W_q-scaled or not."""
     probes = probed.probes
     rows = np.flatnonzero(probes.holdout)
     tokens = jnp.asarray(probes.tokens[rows])

@@ -358,7 +358,7 @@ def test_query_scale_undoes_flattened_logits(model, context, probed, queries):
     assert after < 0.25 * before, (before, after)
     shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), m.params)  # noqa: E731
     assert shapes(patched) == shapes(compressed)
-    h, dh = model.config.n_heads, model.config.head_dim
+    h = model.config.n_heads
     for p0, p1 in zip(compressed.params["layers"], patched.params["layers"]):
         np.testing.assert_allclose(np.asarray(p1["wq"]), 1.25 * np.asarray(p0["wq"]),
                                    rtol=1e-6)
