@@ -47,6 +47,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             probe_over, selection, kwargs = SETTINGS[name]
             probe_cfg = ProbeConfig(**{**config.probes.to_dict(), "seed": config.seed,
+                                       "reply_prefix": tasks.reply_prefix(tok),
                                        **probe_over})
             probed = probe_context(model, ex._calibration(task.context), probe_cfg)
             first = name == args.settings.split(",")[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 
@@ -56,20 +57,34 @@ def make_variants(compressed, states, probed, methods, ridge_cfg, patch_kwargs=N
         if method == "none":
             out[method] = Variant(model=compressed, states=states, fit_s=0.0, patch_bytes=0)
         elif method.startswith("patchkv"):
-            state = patch.fit_patches(compressed, probed, states=states,
-                                      ridge_config=ridge_cfg, **(patch_kwargs or {}))
-            out[method] = Variant(model=patch.apply_patch(compressed, state), states=states,
-                                  fit_s=state.fit_seconds, patch_bytes=patch.patch_nbytes(state),
-                                  summary=patch.summarize(state))
+            out[method] = _patched(compressed, states, probed, ridge_cfg, patch_kwargs, 0.0)
         elif method in baselines.METHODS:
-            new = baselines.refit_values(compressed, states, probed, method=method,
-                                         ridge_config=ridge_cfg)
-            jax.block_until_ready(new)
-            out[method] = Variant(model=compressed, states=new,
+            out[method] = Variant(model=compressed, states=_refit(compressed, states, probed,
+                                                                   method, ridge_cfg),
                                   fit_s=time.perf_counter() - t0, patch_bytes=0)
+        elif method.endswith("+patchkv") and method[:-len("+patchkv")] in baselines.METHODS:
+            # composition: the baseline's refit cache, then a W_o patch fit over it
+            new = _refit(compressed, states, probed, method[:-len("+patchkv")], ridge_cfg)
+            out[method] = _patched(compressed, new, probed, ridge_cfg, patch_kwargs,
+                                   time.perf_counter() - t0)
         else:
             raise ValueError(f"unknown method {method!r}")
     return out
+
+
+def _refit(compressed, states, probed, method, ridge_cfg):
+    new = baselines.refit_values(compressed, states, probed, method=method,
+                                 ridge_config=ridge_cfg)
+    return jax.block_until_ready(new)
+
+
+def _patched(compressed, states, probed, ridge_cfg, patch_kwargs, refit_s):
+    """PatchKV over `states`; fit_s adds the `refit_s` spent building those states."""
+    state = patch.fit_patches(compressed, probed, states=states, ridge_config=ridge_cfg,
+                              **(patch_kwargs or {}))
+    return Variant(model=patch.apply_patch(compressed, state), states=states,
+                   fit_s=refit_s + state.fit_seconds, patch_bytes=patch.patch_nbytes(state),
+                   summary=patch.summarize(state))
 
 
 def score_continuation(variant, length, task, full_contrib):
@@ -150,7 +165,7 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
         m, states = prefilled(calibrate_and_apply(quantizer, model, None)[0], probed)
         kept = kv_kept_bytes(states)
         budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
-        methods = [x for x in config.methods if x not in baselines.METHODS]
+        methods = [x for x in config.methods if x in ("none", "patchkv")]
         for method, v in make_variants(m, states, probed, methods, ridge_cfg,
                                        patch_kwargs(config, "quantizer")).items():
             records.append(_record(kind, name, budget, method, v, score, kv_bytes=kept))
@@ -316,7 +331,7 @@ def make_plot(rows, config):
         for i, (key, label) in enumerate(metrics):
             ax = fig.add_subplot(1, 2, i + 1)
             for name in config.compressions:
-                for method, style in zip(config.methods, ("-", "-", "--", ":")):
+                for method, style in zip(config.methods, ("-", "-", "--", ":", "-.", "-.")):
                     pts = [(r["budget"], r[key]) for r in rows if r["compression"] == name
                            and r["method"] == method and key in r]
                     if pts:
@@ -334,10 +349,19 @@ def make_plot(rows, config):
     return plot
 
 
+def chat_probes(probe_cfg: ProbeConfig, config, tok) -> ProbeConfig:
+    """Probes for chat contexts (retrieval: the context is an open user turn): the
+    config's `retrieval.probes` overrides, with the tokenizer's reply prefix."""
+    over = config.retrieval.get("probes", {})
+    over = over.to_dict() if hasattr(over, "to_dict") else dict(over)
+    return dataclasses.replace(probe_cfg, **over, reply_prefix=tasks.reply_prefix(tok))
+
+
 def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
     heldout = tok.encode(data.corpus_text("heldout"))
     probe_cfg = ProbeConfig(**config.probes.to_dict(), seed=config.seed)
+    chat_probe_cfg = chat_probes(probe_cfg, config, tok)
     ridge_cfg = RidgeConfig(selection=config.ridge_selection,
                             ranks=tuple(config.get("ridge_ranks", ())))
     cont = tasks.continuation_tasks(heldout, **config.continuation.to_dict())
@@ -353,7 +377,7 @@ def run(config, out_dir=None) -> common.Report:
             run_context("continuation", model, tok, task, config, probe_cfg, ridge_cfg,
                         quantizers, records, bar, i)
         for i, task in enumerate(retr):
-            run_context("retrieval", model, tok, task, config, probe_cfg, ridge_cfg,
+            run_context("retrieval", model, tok, task, config, chat_probe_cfg, ridge_cfg,
                         quantizers, records, bar, i)
     rows = aggregate(records)
     flops = None
@@ -375,7 +399,9 @@ def run(config, out_dir=None) -> common.Report:
         f"~{config.continuation.context_len} tokens. ppl over continuation tokens 1..m-1.",
         "patchkv: W_o + Delta per layer, ridge fit sequentially on probe rows "
         f"({probe_cfg.n_generated} sampled continuations + {probe_cfg.n_repeat} context "
-        f"repeats of {probe_cfg.length} tokens), lambda by {config.ridge_selection}"
+        f"repeats of {probe_cfg.length} tokens; retrieval contexts: "
+        f"{chat_probe_cfg.n_generated} continuations + {chat_probe_cfg.n_reply} sampled "
+        f"assistant replies), lambda by {config.ridge_selection}"
         + (f", rank from {ridge_cfg.ranks} or full" if ridge_cfg.ranks else "") + "; "
         "grkv/am: kept values (and AM biases) refit on the same probes (eviction only).",
         "tasq-Nbit: TaSQ calibrated once on the calibration split "

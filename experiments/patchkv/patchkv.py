@@ -29,7 +29,8 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.compressions = (("snapkv", "streaming_llm") if small else
                       ("snapkv", "streaming_llm", "h2o", "random", "knorm"))
     c.budgets = (0.1, 0.25) if small else (0.1, 0.25, 0.5)
-    c.methods = ("none", "patchkv", "grkv", "am")
+    # "<baseline>+patchkv": the baseline's refit cache with a PatchKV patch fit over it
+    c.methods = ("none", "patchkv", "grkv", "am", "grkv+patchkv", "am+patchkv")
     # TaSQ caches (bits per channel), calibrated once on the calibration split, then
     # chain(tasq, patchkv) per context (value-refit baselines need eviction: not run).
     c.quantizers = (1,)
@@ -42,7 +43,11 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         offset=0))  # token offset into the held-out split (0 = the test contexts)
     c.retrieval = ml_collections.ConfigDict(dict(
         n_contexts=2 if small else 4, n_facts=4 if small else 6,
-        context_len=512 if small else 1024, max_new_tokens=6))
+        context_len=512 if small else 1024, max_new_tokens=6,
+        # ProbeConfig overrides for these chat contexts, e.g. {"n_generated": 32,
+        # "n_reply": 32}: sampled assistant replies (research.patchkv.probes). Off: on the
+        # first dev retrieval context they changed no answer (experiments/patchkv/README.md).
+        probes={}))
     # Probe mix, ridge selection, fit target and strength grid were chosen on a dev split
     # (2 continuation contexts at held-out tokens 4096 and 8333, disjoint from the test
     # contexts; `python -m experiments.patchkv.dev_sweep`), gap closed on dev (SnapKV

@@ -1,9 +1,13 @@
 """Probe queries for fitting a patch: token rows placed right after a context.
 
-Two kinds, both available before any real query arrives:
+Three kinds, all available before any real query arrives:
 
 * generated: continuations sampled from the full-cache reference model (the queries the
   uncompressed model would go on to make about this context);
+* reply: for a context that is an open chat user turn, a fixed reply prefix (the chat
+  template's end-of-turn + assistant header, `ProbeConfig.reply_prefix`) followed by the
+  reference model's sampled reply: the assistant turns a chat server will actually
+  serve over this context (in a chat they read the user turn back, as answers do);
 * repeat: spans of the context itself re-fed after it (queries that look back for
   specific context content, like a retrieval question does); the spans start at evenly
   spaced offsets, so together they cover the whole context.
@@ -21,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.model.llama import Model, default_caches
-from research.patchkv import layerwise
+from research.patchkv import layerwise, session
 from research.patchkv.session import prefill_batch, tile_states
 from research.serving import generate as gen
 from research.serving.sampling import SamplingConfig
@@ -40,13 +44,23 @@ class ProbeConfig:
     top_p: float = 0.95
     holdout: float = 0.25  # fraction of rows (per kind) held out to choose the penalty
     seed: int = 0
+    n_reply: int = 0  # sampled assistant replies per context (chat contexts only)
+    reply_prefix: tuple = ()  # token ids opening the reply (research.patchkv.tasks)
+
+    @property
+    def n_rows(self) -> int:
+        return self.n_generated + self.n_repeat + self.n_reply
 
     def __post_init__(self):
-        if self.n_generated < 0 or self.n_repeat < 0 or self.n_generated + self.n_repeat < 1:
-            raise ValueError(f"need n_generated, n_repeat >= 0 and at least one probe row, "
-                             f"got {self.n_generated=}, {self.n_repeat=}")
+        if min(self.n_generated, self.n_repeat, self.n_reply) < 0 or self.n_rows < 1:
+            raise ValueError(f"need n_generated, n_repeat, n_reply >= 0 and at least one "
+                             f"probe row, got {self.n_generated=}, {self.n_repeat=}, "
+                             f"{self.n_reply=}")
         if self.length < 1:
             raise ValueError(f"length must be >= 1, got {self.length}")
+        if self.n_reply and not 0 < len(self.reply_prefix) < self.length:
+            raise ValueError(f"n_reply > 0 needs a reply_prefix of 1 to length-1="
+                             f"{self.length - 1} token ids, got {len(self.reply_prefix)}")
         if not 0.0 <= self.holdout < 1.0:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
 
@@ -55,7 +69,7 @@ class ProbeSet(NamedTuple):
     tokens: np.ndarray  # [P, m] int32, right-padded
     lengths: np.ndarray  # [P] real tokens per row
     context: np.ndarray  # [P] index of the context each row continues
-    kind: np.ndarray  # [P] "generated" | "repeat"
+    kind: np.ndarray  # [P] "generated" | "repeat" | "reply"
     holdout: np.ndarray  # [P] bool: used only to choose the penalty
 
     @property
@@ -93,6 +107,23 @@ def generated_rows(reference: Model, states: tuple, last_logits, length_of_conte
     return np.asarray(out, np.int32)
 
 
+def reply_rows(reference: Model, states: tuple, length_of_context: int, prefix,
+               n: int, length: int, sampling: SamplingConfig, key) -> np.ndarray:
+    """`n` rows [n, length]: `prefix` appended to one prefilled context (batch-1 states),
+    then a sampled reply of `length - len(prefix)` tokens."""
+    prefix = np.asarray(prefix, np.int32)
+    index = jnp.zeros((n,), jnp.int32)
+    states = jax.tree.map(lambda a: jnp.take(a, index, axis=0), states)
+    start = jnp.full((n,), length_of_context, jnp.int32)
+    logits, states = session._append_queries(
+        reference, jnp.asarray(np.tile(prefix, (n, 1))), start,
+        jnp.full((n,), prefix.size, jnp.int32), states)
+    out, _, _, _, _ = gen._decode_loop(reference, logits, start + prefix.size, states, key,
+                                       max_new_tokens=length - prefix.size,
+                                       sampling=sampling, stop_tokens=())
+    return np.concatenate([np.tile(prefix, (n, 1)), np.asarray(out, np.int32)], axis=1)
+
+
 def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
                  ref_states: tuple, ref_logits, config: ProbeConfig) -> ProbeSet:
     """Probe rows for every context (right-padded `contexts` [B, T], prefilled by the
@@ -114,7 +145,14 @@ def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
             rows += repeat_rows(ctx, config.n_repeat, config.length)
             kinds += ["repeat"] * config.n_repeat
             holdout.append(_holdout_rows(config.n_repeat, config.holdout, rng))
-        ctx_of += [b] * (config.n_generated + config.n_repeat)
+        if config.n_reply:
+            one = jax.tree.map(lambda a: a[b:b + 1], ref_states)
+            key = jax.random.fold_in(jax.random.key(config.seed + 1), b)
+            rows += list(reply_rows(reference, one, int(n), config.reply_prefix,
+                                    config.n_reply, config.length, sampling, key))
+            kinds += ["reply"] * config.n_reply
+            holdout.append(_holdout_rows(config.n_reply, config.holdout, rng))
+        ctx_of += [b] * config.n_rows
     row_lengths = np.array([len(r) for r in rows], np.int32)
     tokens = np.zeros((len(rows), config.length), np.int32)
     for i, r in enumerate(rows):

@@ -99,6 +99,14 @@ def retrieval_task(tokenizer, filler_ids: Sequence[int], *, n_facts: int, contex
                          [np.asarray(q, np.int32) for q in questions], codes, n_facts)
 
 
+def reply_prefix(tokenizer) -> tuple[int, ...]:
+    """Token ids that close a chat user turn and open the assistant's reply, as the
+    tokenizer's chat template writes them (for reply probes, research.patchkv.probes)."""
+    marker = "\u2063"  # a character no template adds, to find where the user content ends
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+    return tuple(int(t) for t in tokenizer.encode(text[text.index(marker) + 1:]))
+
+
 def exact_match(generated: str, answer: str) -> bool:
     """The first number in the generated text equals the answer."""
     found = re.search(r"\d+", generated)

@@ -75,8 +75,7 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
                        ProbeConfig(n_generated=8, length=12), RidgeConfig(), quantizers,
                        records, bar, index=3)
     methods = [(r["compression"], r["method"]) for r in records]
-    assert methods == [("full", "full")] + [("snapkv", m) for m in ("none", "patchkv", "grkv",
-                                                                     "am")] + [
+    assert methods == [("full", "full")] + [("snapkv", m) for m in config.methods] + [
         ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"), ("snapkv", "patchkv[rank64]"),
         ("snapkv", "patchkv[no_strength]")]
     records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"],
@@ -90,7 +89,24 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     assert by["patchkv"]["strength"] in (0.0, *config.patch_strengths)
     assert by["patchkv"]["query_scale"] == 1.0
     assert by["patchkv[no_strength]"]["strength"] == 1.0 and by["none"]["strength"] is None
+    # compositions: a patch over the baseline's refit cache, fit time of both counted
+    for base in ("grkv", "am"):
+        both = by[f"{base}+patchkv"]
+        assert both["patch_bytes"] > 0 or both["strength"] == 0.0
+        assert both["fit_s"] > 0 and both["strength"] is not None
     assert by["patchkv[rank64]"]["patch_bytes"] <= by["patchkv[no_strength]"]["patch_bytes"]
     rows = ex.aggregate(records)
     assert set(ex.gap_closed_per_context(records)) == {"snapkv@0.25"}
     assert all(math.isfinite(r["ppl"]) for r in rows)
+
+
+def test_chat_probes_add_sampled_replies_after_the_templates_reply_prefix():
+    from research.patchkv.probes import ProbeConfig
+    from tests.patchkv.test_patchkv_tasks import CharTokenizer
+    config = get_config("small")
+    base = ProbeConfig(n_generated=8, length=48)
+    assert ex.chat_probes(base, config, CharTokenizer()).n_reply == 0  # default: off
+    config.retrieval.probes = {"n_generated": 4, "n_reply": 4}
+    cfg = ex.chat_probes(base, config, CharTokenizer())
+    assert (cfg.n_generated, cfg.n_reply, cfg.length) == (4, 4, 48)
+    assert "".join(map(chr, cfg.reply_prefix)) == "<|im_end|>\n<|im_start|>assistant\n"

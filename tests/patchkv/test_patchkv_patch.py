@@ -11,7 +11,7 @@ import pytest
 from research.kv.base import KVCache, scatter_tokens, write_positions
 from research.kv.dense import DenseKVCache
 from research.kv.eviction import evict
-from research.model import init_params, make_model, tiny_config
+from research.model import forward, init_params, make_model, tiny_config
 from research.core.attention import attend
 from research.patchkv import baselines, patch, session
 from research.patchkv.probes import ProbeConfig, probe_context
@@ -277,6 +277,10 @@ def test_bad_input(model, context):
         ProbeConfig(n_generated=0, n_repeat=0)
     with pytest.raises(ValueError, match="holdout"):
         ProbeConfig(holdout=1.0)
+    with pytest.raises(ValueError, match="reply_prefix"):
+        ProbeConfig(n_reply=2)
+    with pytest.raises(ValueError, match="reply_prefix"):
+        ProbeConfig(n_reply=2, length=4, reply_prefix=(1, 2, 3, 4))
     with pytest.raises(TypeError, match="PatchState"):
         t.apply(model, {"deltas": ()})
     with pytest.raises(ValueError, match="held out"):  # one probe row cannot be split
@@ -386,3 +390,22 @@ def test_bad_query_scales_are_errors(model, probed):
     with pytest.raises(ValueError, match="query_scales has"):
         patch.patched_params(model, [jnp.zeros_like(p["wo"]) for p in model.params["layers"]],
                              [np.ones(model.config.n_heads)])
+
+
+def test_reply_probes_open_with_the_prefix_and_continue_as_the_reference_would(model,
+                                                                             context):
+    prefix = (5, 6, 7)
+    cfg = ProbeConfig(n_generated=2, n_repeat=0, n_reply=3, length=10,
+                      reply_prefix=prefix, temperature=1e-4, seed=0)
+    probed = probe_context(model, _data(context), cfg)
+    probes = probed.probes
+    reply = probes.kind == "reply"
+    assert reply.sum() == 3 and probes.holdout[reply].sum() == 1
+    assert np.all(probes.tokens[reply][:, :3] == prefix)
+    assert np.all(probes.lengths[reply] == 10)
+    # (near-)greedy replies: each token is the full-cache model's argmax after the
+    # context + prefix + the reply so far
+    row = probes.tokens[reply][0]
+    ref = patch.reference_model(model)
+    logits = forward(ref, jnp.asarray(np.concatenate([context, row])[None])).logits[0]
+    np.testing.assert_array_equal(np.argmax(logits[N_CTX + 2:-1], axis=-1), row[3:])

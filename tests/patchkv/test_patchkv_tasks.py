@@ -75,6 +75,11 @@ def tiny_model():
     return make_model(config, init_params(config, jax.random.key(0)))
 
 
+def test_reply_prefix_closes_the_user_turn_and_opens_the_assistant():
+    tok = CharTokenizer()
+    assert tok.decode(tasks.reply_prefix(tok)) == "<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_session_scores_match_a_single_full_forward(tiny_model):
     """Context prefilled once + continuation as a query == one forward over both."""
     rng = np.random.default_rng(0)
