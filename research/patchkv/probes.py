@@ -115,7 +115,7 @@ def reply_rows(reference: Model, states: tuple, length_of_context: int, prefix,
     index = jnp.zeros((n,), jnp.int32)
     states = jax.tree.map(lambda a: jnp.take(a, index, axis=0), states)
     start = jnp.full((n,), length_of_context, jnp.int32)
-    logits, states = session._append_queries(
+    logits, states = session.append_queries(
         reference, jnp.asarray(np.tile(prefix, (n, 1))), start,
         jnp.full((n,), prefix.size, jnp.int32), states)
     out, _, _, _, _ = gen._decode_loop(reference, logits, start + prefix.size, states, key,

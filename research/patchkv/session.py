@@ -143,7 +143,7 @@ def answer_queries(model: Model, ctx: ContextCache, queries: Sequence[Sequence[i
     q = len(queries)
     states = tile_states(ctx.states, np.zeros(q, np.int32))
     start = jnp.full((q,), ctx.length, jnp.int32)
-    logits, states = _append_queries(model, jnp.asarray(tokens), start, jnp.asarray(lengths),
+    logits, states = append_queries(model, jnp.asarray(tokens), start, jnp.asarray(lengths),
                                      states)
     out, n_out, done, _, _ = gen._decode_loop(
         model, logits, start + jnp.asarray(lengths), states, jax.random.key(0),
@@ -154,6 +154,8 @@ def answer_queries(model: Model, ctx: ContextCache, queries: Sequence[Sequence[i
 
 
 @jax.jit
-def _append_queries(model, tokens, start, n_new, states):
+def append_queries(model, tokens, start, n_new, states):
+    """Right-padded token rows [B, m] (n_new real each) appended at `start` over `states`:
+    (logits after each row's last token [B, V], the extended states)."""
     out = forward(model, tokens, cache_states=states, start=start, n_new=n_new, logits="last")
     return out.logits, out.cache_states
