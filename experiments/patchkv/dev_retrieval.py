@@ -31,6 +31,7 @@ def main(argv=None):
     config, model, tok, heldout = load_small()
     r = config.retrieval
     stops = default_stop_tokens(tok)
+    reply_prefix = tasks.reply_prefix(tok)
     budgets = [float(b) for b in args.budgets.split(",")]
     totals = collections.Counter()
     asked = collections.Counter()
@@ -47,7 +48,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             probe_over, selection, kwargs = SETTINGS[name]
             probe_cfg = ProbeConfig(**{**config.probes.to_dict(), "seed": config.seed,
-                                       "reply_prefix": tasks.reply_prefix(tok),
+                                       "reply_prefix": reply_prefix,
                                        **probe_over})
             probed = probe_context(model, ex._calibration(task.context), probe_cfg)
             first = name == args.settings.split(",")[0]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import time
 
@@ -62,9 +63,10 @@ def make_variants(compressed, states, probed, methods, ridge_cfg, patch_kwargs=N
             out[method] = Variant(model=compressed, states=_refit(compressed, states, probed,
                                                                    method, ridge_cfg),
                                   fit_s=time.perf_counter() - t0, patch_bytes=0)
-        elif method.endswith("+patchkv") and method[:-len("+patchkv")] in baselines.METHODS:
+        elif method.removesuffix("+patchkv") in baselines.METHODS:
             # composition: the baseline's refit cache, then a W_o patch fit over it
-            new = _refit(compressed, states, probed, method[:-len("+patchkv")], ridge_cfg)
+            new = _refit(compressed, states, probed, method.removesuffix("+patchkv"),
+                         ridge_cfg)
             out[method] = _patched(compressed, new, probed, ridge_cfg, patch_kwargs,
                                    time.perf_counter() - t0)
         else:
@@ -331,7 +333,8 @@ def make_plot(rows, config):
         for i, (key, label) in enumerate(metrics):
             ax = fig.add_subplot(1, 2, i + 1)
             for name in config.compressions:
-                for method, style in zip(config.methods, ("-", "-", "--", ":", "-.", "-.")):
+                for method, style in zip(config.methods,
+                                         itertools.cycle(("-", "-", "--", ":", "-."))):
                     pts = [(r["budget"], r[key]) for r in rows if r["compression"] == name
                            and r["method"] == method and key in r]
                     if pts:
@@ -352,9 +355,8 @@ def make_plot(rows, config):
 def chat_probes(probe_cfg: ProbeConfig, config, tok) -> ProbeConfig:
     """Probes for chat contexts (retrieval: the context is an open user turn): the
     config's `retrieval.probes` overrides, with the tokenizer's reply prefix."""
-    over = config.retrieval.get("probes", {})
-    over = over.to_dict() if hasattr(over, "to_dict") else dict(over)
-    return dataclasses.replace(probe_cfg, **over, reply_prefix=tasks.reply_prefix(tok))
+    return dataclasses.replace(probe_cfg, **config.retrieval.get("probes", {}),
+                               reply_prefix=tasks.reply_prefix(tok))
 
 
 def run(config, out_dir=None) -> common.Report:

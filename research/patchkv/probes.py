@@ -97,11 +97,10 @@ def repeat_rows(context: np.ndarray, n: int, length: int) -> list[np.ndarray]:
 def generated_rows(reference: Model, states: tuple, last_logits, length_of_context: int,
                    n: int, length: int, sampling: SamplingConfig, key) -> np.ndarray:
     """`n` sampled continuations [n, length] of one prefilled context (batch-1 states)."""
-    index = jnp.zeros((n,), jnp.int32)
-    states = jax.tree.map(lambda a: jnp.take(a, index, axis=0), states)
-    logits = jnp.take(last_logits, index, axis=0)
+    index = np.zeros(n, np.int32)
     lengths = jnp.full((n,), length_of_context, jnp.int32)
-    out, _, _, _, _ = gen._decode_loop(reference, logits, lengths, states, key,
+    out, _, _, _, _ = gen._decode_loop(reference, jnp.take(last_logits, index, axis=0),
+                                       lengths, tile_states(states, index), key,
                                        max_new_tokens=length, sampling=sampling,
                                        stop_tokens=())
     return np.asarray(out, np.int32)
@@ -110,18 +109,15 @@ def generated_rows(reference: Model, states: tuple, last_logits, length_of_conte
 def reply_rows(reference: Model, states: tuple, length_of_context: int, prefix,
                n: int, length: int, sampling: SamplingConfig, key) -> np.ndarray:
     """`n` rows [n, length]: `prefix` appended to one prefilled context (batch-1 states),
-    then a sampled reply of `length - len(prefix)` tokens."""
+    then a sampled reply of `length - len(prefix)` tokens. The prefix is run once and the
+    replies branch from it."""
     prefix = np.asarray(prefix, np.int32)
-    index = jnp.zeros((n,), jnp.int32)
-    states = jax.tree.map(lambda a: jnp.take(a, index, axis=0), states)
-    start = jnp.full((n,), length_of_context, jnp.int32)
     logits, states = session.append_queries(
-        reference, jnp.asarray(np.tile(prefix, (n, 1))), start,
-        jnp.full((n,), prefix.size, jnp.int32), states)
-    out, _, _, _, _ = gen._decode_loop(reference, logits, start + prefix.size, states, key,
-                                       max_new_tokens=length - prefix.size,
-                                       sampling=sampling, stop_tokens=())
-    return np.concatenate([np.tile(prefix, (n, 1)), np.asarray(out, np.int32)], axis=1)
+        reference, jnp.asarray(prefix[None]), jnp.asarray([length_of_context], jnp.int32),
+        jnp.asarray([prefix.size], jnp.int32), states)
+    replies = generated_rows(reference, states, logits, length_of_context + prefix.size, n,
+                             length - prefix.size, sampling, key)
+    return np.concatenate([np.tile(prefix, (n, 1)), replies], axis=1)
 
 
 def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
@@ -133,8 +129,8 @@ def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
     rows, ctx_of, kinds, holdout = [], [], [], []
     for b, n in enumerate(np.asarray(lengths)):
         ctx = np.asarray(contexts[b, :n])
+        one = jax.tree.map(lambda a: a[b:b + 1], ref_states)  # this context's caches
         if config.n_generated:
-            one = jax.tree.map(lambda a: a[b:b + 1], ref_states)
             key = jax.random.fold_in(jax.random.key(config.seed), b)
             gen_rows = generated_rows(reference, one, ref_logits[b:b + 1], int(n),
                                       config.n_generated, config.length, sampling, key)
@@ -146,7 +142,6 @@ def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
             kinds += ["repeat"] * config.n_repeat
             holdout.append(_holdout_rows(config.n_repeat, config.holdout, rng))
         if config.n_reply:
-            one = jax.tree.map(lambda a: a[b:b + 1], ref_states)
             key = jax.random.fold_in(jax.random.key(config.seed + 1), b)
             rows += list(reply_rows(reference, one, int(n), config.reply_prefix,
                                     config.n_reply, config.length, sampling, key))
