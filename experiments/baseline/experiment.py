@@ -33,7 +33,7 @@ def measure_throughput(model, batch: int, prompt_len: int, new_tokens: int, repe
     fresh = lambda: model.init_cache(batch, max_len)  # noqa: E731
     pre = common.time_fn(lambda: gen.prefill(model, tokens, lengths, fresh()), repeats=repeats)
     logits, states = gen.prefill(model, tokens, lengths, fresh())
-    decode = lambda: gen._decode_loop(  # noqa: E731
+    decode = lambda: gen.decode_loop(  # noqa: E731
         model, logits, lengths, states, jax.random.key(seed), max_new_tokens=new_tokens,
         sampling=gen.SamplingConfig(), stop_tokens=())
     dec = common.time_fn(decode, repeats=repeats)

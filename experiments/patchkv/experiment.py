@@ -55,6 +55,7 @@ def make_variants(compressed, states, probed, methods, ridge_cfg, patch_kwargs=N
     out = {}
     for method in methods:
         t0 = time.perf_counter()
+        base = method.removesuffix("+patchkv")  # a composition's baseline
         if method == "none":
             out[method] = Variant(model=compressed, states=states, fit_s=0.0, patch_bytes=0)
         elif method.startswith("patchkv"):
@@ -63,10 +64,9 @@ def make_variants(compressed, states, probed, methods, ridge_cfg, patch_kwargs=N
             out[method] = Variant(model=compressed, states=_refit(compressed, states, probed,
                                                                    method, ridge_cfg),
                                   fit_s=time.perf_counter() - t0, patch_bytes=0)
-        elif method.removesuffix("+patchkv") in baselines.METHODS:
+        elif base in baselines.METHODS:
             # composition: the baseline's refit cache, then a W_o patch fit over it
-            new = _refit(compressed, states, probed, method.removesuffix("+patchkv"),
-                         ridge_cfg)
+            new = _refit(compressed, states, probed, base, ridge_cfg)
             out[method] = _patched(compressed, new, probed, ridge_cfg, patch_kwargs,
                                    time.perf_counter() - t0)
         else:

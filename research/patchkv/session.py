@@ -145,7 +145,7 @@ def answer_queries(model: Model, ctx: ContextCache, queries: Sequence[Sequence[i
     start = jnp.full((q,), ctx.length, jnp.int32)
     logits, states = append_queries(model, jnp.asarray(tokens), start, jnp.asarray(lengths),
                                      states)
-    out, n_out, done, _, _ = gen._decode_loop(
+    out, n_out, done, _, _ = gen.decode_loop(
         model, logits, start + jnp.asarray(lengths), states, jax.random.key(0),
         max_new_tokens=max_new_tokens, sampling=gen.SamplingConfig(),
         stop_tokens=tuple(int(t) for t in stop_tokens))

@@ -66,8 +66,12 @@ def decode_step(model: Model, tokens: jax.Array, lengths: jax.Array, active: jax
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "sampling", "stop_tokens"))
-def _decode_loop(model, first_logits, lengths, cache_states, key, *, max_new_tokens,
-                 sampling, stop_tokens):
+def decode_loop(model, first_logits, lengths, cache_states, key, *, max_new_tokens,
+                sampling, stop_tokens):
+    """Sample up to `max_new_tokens` per row from prefilled `cache_states`, the first from
+    `first_logits` [b, V]; a row stops at a stop token (later slots hold 0).
+    Returns (tokens [b, max_new_tokens], tokens per row with the stop token, done,
+    lengths, states)."""
     b = lengths.shape[0]
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
 
@@ -134,7 +138,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                                                     sampling, max_len)
     states = model.init_cache(len(prompts), max_len)
     logits, states = prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), states)
-    out, n_out, done, _, _ = _decode_loop(
+    out, n_out, done, _, _ = decode_loop(
         model, logits, jnp.asarray(lengths), states, key, max_new_tokens=max_new_tokens,
         sampling=sampling, stop_tokens=tuple(int(t) for t in stop_tokens))
     out, n_out, done = np.asarray(out), np.asarray(n_out), np.asarray(done)
