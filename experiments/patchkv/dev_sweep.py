@@ -65,6 +65,8 @@ SETTINGS = {
     "gen64_residual_wide_qs": ({"n_generated": 64, "n_repeat": 0}, "holdout",
                                {"target": "residual", "strengths": DEV_STRENGTHS,
                                 "query_scales": DEV_QUERY_SCALES}),
+    "gen128_wide": ({"n_generated": 128, "n_repeat": 0}, "holdout",
+                    {"strengths": DEV_STRENGTHS}),
     # reply probes (chat contexts: retrieval; dev_retrieval fills in the reply prefix)
     "gen32reply32_wide": ({"n_generated": 32, "n_repeat": 0, "n_reply": 32}, "holdout",
                           {"strengths": DEV_STRENGTHS}),

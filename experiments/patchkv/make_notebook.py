@@ -94,6 +94,33 @@ CELLS = [
         "         for m in (compressed, patched)]\n"
         "print('decode-step FLOPs (unpatched, patched):', flops)\n"
         "print('patch memory (MB, dense f32):', patch.patch_nbytes(pstate) / 2**20)"),
+    new_markdown_cell(
+        "## The experiment's table and plot, at notebook scale\n"
+        "`experiments.patchkv.experiment.run` is what `python -m experiments.run` calls. "
+        "Here it runs on a reduced config: one 256-token continuation context (4 "
+        "continuations of 32 tokens) and one retrieval context with 3 facts, SnapKV and "
+        "StreamingLLM at 10 / 25 / 50%, no patch vs PatchKV vs the GRKV-style ridge merge "
+        "vs the Attention-Matching-style value fit, 16 probe rows. One small context is "
+        "noisy: the README reports the `small` run (two 512-token contexts, 64 probes)."),
+    new_code_cell(
+        "import matplotlib.pyplot as plt\n"
+        "from IPython.display import Markdown, display\n"
+        "from experiments import common\n"
+        "from experiments.patchkv import experiment\n"
+        "from experiments.patchkv.patchkv import get_config\n"
+        "cfg = get_config('small')\n"
+        "cfg.budgets, cfg.methods = (0.1, 0.25, 0.5), ('none', 'patchkv', 'grkv', 'am')\n"
+        "cfg.quantizers, cfg.ablations, cfg.check_flops = (), (), False  # FLOPs: above\n"
+        "cfg.continuation.update(n_contexts=1, context_len=256, n_continuations=4,\n"
+        "                        continuation_len=32)\n"
+        "cfg.retrieval.update(n_contexts=1, n_facts=3, context_len=256)\n"
+        "cfg.probes.update(n_generated=16, length=32)\n"
+        "report = experiment.run(cfg)\n"
+        "display(Markdown(common.render_markdown(report)))"),
+    new_code_cell(
+        "fig = plt.figure(figsize=(10, 4))\n"
+        "report.plot(fig)\n"
+        "plt.show()"),
 ]
 
 
