@@ -35,6 +35,17 @@ def test_gap_closed_pooled_and_per_context():
     assert len(snap10) == 1 and snap10[0]["met"] == "no"  # pooled 37% < 50%
 
 
+def test_claims_of_a_retrieval_only_run_score_retrieval_only():
+    records = [{"kind": "retrieval", "context": 0, "compression": comp, "budget": budget,
+                "method": method, "correct": correct, "asked": 4}
+               for comp, budget, method, correct in [("full", 1.0, "full", 4),
+                                                     ("snapkv", 0.1, "none", 1),
+                                                     ("snapkv", 0.1, "patchkv", 2)]]
+    claims = ex.claims(ex.aggregate(records), get_config("small"), None)
+    assert [(c["claim"], c["met"]) for c in claims] == [
+        ("snapkv@10%: PatchKV beats the unpatched press on retrieval", "yes")]
+
+
 def test_dev_contexts_are_disjoint_from_the_small_test_contexts():
     import numpy as np
     from experiments.patchkv.dev_sweep import overlaps
