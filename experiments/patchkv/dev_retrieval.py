@@ -32,6 +32,7 @@ def main(argv=None):
     r = config.retrieval
     stops = default_stop_tokens(tok)
     reply_prefix = tasks.reply_prefix(tok)
+    text = ex.probe_text(tok, config)
     budgets = [float(b) for b in args.budgets.split(",")]
     totals = collections.Counter()
     asked = collections.Counter()
@@ -50,7 +51,7 @@ def main(argv=None):
             probe_cfg = ProbeConfig(**{**config.probes.to_dict(), "seed": config.seed,
                                        "reply_prefix": reply_prefix,
                                        **probe_over})
-            probed = probe_context(model, ex._calibration(task.context), probe_cfg)
+            probed = probe_context(model, ex._calibration(task.context), probe_cfg, text)
             first = name == args.settings.split(",")[0]
             if first:  # the full cache and the unpatched press do not depend on probes
                 correct = score(ex.Variant(model=reference_model(model),

@@ -67,6 +67,22 @@ SETTINGS = {
                                 "query_scales": DEV_QUERY_SCALES}),
     "gen128_wide": ({"n_generated": 128, "n_repeat": 0}, "holdout",
                     {"strengths": DEV_STRENGTHS}),
+    # W_down patch (ffn) and text rows of the calibration split (probes.text_rows)
+    "gen64_ffn": ({"n_generated": 64, "n_repeat": 0}, "holdout",
+                  {"strengths": DEV_STRENGTHS, "ffn": True}),
+    "text64_wide": ({"n_generated": 0, "n_repeat": 0, "n_text": 64}, "holdout",
+                    {"strengths": DEV_STRENGTHS}),
+    "text64_ffn": ({"n_generated": 0, "n_repeat": 0, "n_text": 64}, "holdout",
+                   {"strengths": DEV_STRENGTHS, "ffn": True}),
+    "text128_ffn": ({"n_generated": 0, "n_repeat": 0, "n_text": 128}, "holdout",
+                    {"strengths": DEV_STRENGTHS, "ffn": True}),
+    "text256_ffn": ({"n_generated": 0, "n_repeat": 0, "n_text": 256}, "holdout",
+                    {"strengths": DEV_STRENGTHS, "ffn": True}),
+    "gen64text64_ffn": ({"n_generated": 64, "n_repeat": 0, "n_text": 64}, "holdout",
+                        {"strengths": DEV_STRENGTHS, "ffn": True}),
+    "text128_ffn_qs": ({"n_generated": 0, "n_repeat": 0, "n_text": 128}, "holdout",
+                       {"strengths": DEV_STRENGTHS, "ffn": True,
+                        "query_scales": DEV_QUERY_SCALES}),
     # reply probes (chat contexts: retrieval; dev_retrieval fills in the reply prefix)
     "gen32reply32_wide": ({"n_generated": 32, "n_repeat": 0, "n_reply": 32}, "holdout",
                           {"strengths": DEV_STRENGTHS}),
@@ -115,6 +131,7 @@ def main(argv=None):
     if overlaps(dev, test):
         sys.exit(f"--offset {args.offset}: dev contexts overlap the test contexts' tokens")
     quantizers = {} if args.no_tasq else ex.calibrate_quantizers(model, tok, config)
+    text = ex.probe_text(tok, config)
     combos = [(n, b) for n in config.compressions for b in config.budgets]
     combos += [(q, None) for q in quantizers]
     if args.only:
@@ -139,7 +156,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             if probe_cfg not in probed_by_cfg:
                 probed_by_cfg = {probe_cfg: probe_context(model, ex._calibration(task.context),
-                                                          probe_cfg)}
+                                                          probe_cfg, text)}
             probed = probed_by_cfg[probe_cfg]
             length = len(task.context)
             if ci not in full_contrib:
@@ -169,9 +186,9 @@ def main(argv=None):
                                       "ppl": math.exp(s["nll_sum"] / s["n"]),
                                       "attn_err": s["attn_err"],
                                       **({k: v["summary"][k] for k in
-                                          ("layers_patched", "val_err_before",
-                                           "val_err_after", "mean_rank", "patch_bytes",
-                                           "strength", "strength_kl", "query_scale",
+                                          ("layers_patched", "ffn_layers_patched",
+                                           "val_err_before", "val_err_after", "mean_rank",
+                                           "patch_bytes", "strength", "strength_kl", "query_scale",
                                            "query_scale_kl")}
                                        if "summary" in v else {})}),
                           flush=True)

@@ -129,17 +129,24 @@ def calibrate_quantizers(model, tok, config) -> dict[str, Transform]:
     return out
 
 
+def probe_text(tok, config) -> np.ndarray:
+    """The token pool of the probes' text rows: the calibration split after the slice the
+    quantizers calibrate on (never the held-out text the tasks come from)."""
+    skip = config.tasq.seq_len * config.tasq.n_seqs if config.quantizers else 0
+    return np.asarray(tok.encode(data.corpus_text("calibration")), np.int32)[skip:]
+
+
 def kv_kept_bytes(states):
     """Bytes of the context's cache arrays cut to the slots they use (evicting caches)."""
     return state_nbytes(trim_states(states, room=0))
 
 
 def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers, records,
-                bar, index=0):
+                bar, index=0, text=None):
     """All compressions x budgets x methods on context `index` of its kind; appends raw
-    records (each tagged with the context index)."""
+    records (each tagged with the context index). text: the probes' text-row pool."""
     first = len(records)
-    probed = probe_context(model, _calibration(task.context), probe_cfg)
+    probed = probe_context(model, _calibration(task.context), probe_cfg, text)
     length = len(task.context)
     ref = reference_model(model)
     ref_variant = Variant(model=ref, states=probed.ref_states)
@@ -194,7 +201,8 @@ def patch_kwargs(config, family: str) -> dict:
     return {"target": config.quantizer_patch_target if quantizer else config.patch_target,
             "strengths": tuple(config.get("patch_strengths", ())),
             "query_scales": tuple(config.get("quantizer_query_scales", ())) if quantizer
-            else ()}
+            else (),
+            "ffn": bool(config.get("patch_ffn", False))}
 
 
 ABLATIONS = ("independent", "residual", "gcv", "rank64", "no_strength")
@@ -275,11 +283,12 @@ def gap_closed_per_context(records) -> dict:
     return out
 
 
-def flops_check(model, name, ratio, probed) -> dict:
+def flops_check(model, name, ratio, probed, ffn=False) -> dict:
     """XLA cost-analysis FLOPs of the compiled decode step, unpatched vs patched (the
-    fitted W_o patch, plus a W_q scale as the quantised caches' patches carry)."""
+    fitted W_o patch, and W_down patch with `ffn`, plus a W_q scale as the quantised
+    caches' patches carry)."""
     m, states = compressed_states(model, name, ratio, probed)
-    state = patch.fit_patches(m, probed, states=states)
+    state = patch.fit_patches(m, probed, states=states, ffn=ffn)
     c = model.config
     state = state._replace(query_scales=(np.full(c.n_heads, 1.2, np.float32),) * c.n_layers)
     patched = patch.apply_patch(m, state)
@@ -374,21 +383,24 @@ def run(config, out_dir=None) -> common.Report:
     retr = [tasks.retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
                                  seed=config.seed + i) for i in range(r.n_contexts)]
     quantizers = calibrate_quantizers(model, tok, config)
+    text = probe_text(tok, config) if probe_cfg.n_text or chat_probe_cfg.n_text else None
     records = []
     total = (len(cont) + len(retr)) * (len(config.compressions) * len(config.budgets)
                                        + len(quantizers))
     with tqdm(total=total, desc="patchkv contexts x compressions x budgets") as bar:
         for i, task in enumerate(cont):
             run_context("continuation", model, tok, task, config, probe_cfg, ridge_cfg,
-                        quantizers, records, bar, i)
+                        quantizers, records, bar, i, text)
         for i, task in enumerate(retr):
             run_context("retrieval", model, tok, task, config, chat_probe_cfg, ridge_cfg,
-                        quantizers, records, bar, i)
+                        quantizers, records, bar, i, text)
     rows = aggregate(records)
     flops = None
     if config.check_flops:
-        probed = probe_context(model, _calibration((cont or retr)[0].context), probe_cfg)
-        flops = flops_check(model, config.compressions[0], min(config.budgets), probed)
+        probed = probe_context(model, _calibration((cont or retr)[0].context), probe_cfg,
+                               text)
+        flops = flops_check(model, config.compressions[0], min(config.budgets), probed,
+                            patch_kwargs(config, "eviction")["ffn"])
     full_kv = kv_cache_bytes(reference_model(model), 1, config.continuation.context_len)
     probe_s = [rec["probe_s"] for rec in records if "probe_s" in rec]
     columns = ["compression", "budget", "method", "ppl", "retrieval_acc", "attn_err",

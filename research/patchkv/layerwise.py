@@ -47,6 +47,18 @@ def embed(model: Model, tokens) -> Array:
 
 
 @jax.jit
+def ffn_hidden(view: Model, x: Float[Array, "B T D"]) -> Array:
+    """The dense FFN's hidden activations silu(h W_gate) * (h W_up) [B, T, F], h =
+    ffn_norm(x), for the residual stream x after attention: what W_down reads (mirrors
+    `layers.swiglu`; a test checks x + ffn_hidden(x) @ W_down against `finish_layer`)."""
+    c, p = view.config, view.params["layers"][0]
+    if c.is_moe(0):
+        raise ValueError("ffn_hidden needs a dense FFN layer, got an MoE layer")
+    h2 = layers.rms_norm(x, p["ffn_norm"], c.norm_eps)
+    return jax.nn.silu(h2 @ p["w_gate"]) * (h2 @ p["w_up"])
+
+
+@jax.jit
 def finish_layer(view: Model, x: Float[Array, "B T D"], attn: Float[Array, "B T HD"],
                  wo: Float[Array, "HD D"]) -> Array:
     """The rest of the block after attention, with output projection `wo`: what

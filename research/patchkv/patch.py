@@ -29,6 +29,14 @@ back. A scalar per head commutes with RoPE and folds into W_q: still zero per-qu
 (Picking a scale per head by attention-output error instead chose scales below 1: the
 squared error rewards hedged, flat attention; experiments/patchkv/README.md.)
 
+FFN patch (`ffn=True`): after layer l's W_o patch, a second closed-form ridge patch of
+the dense FFN's down projection W_down [F, D], whose input, the SwiGLU hidden
+activations, is a nonlinear function of the whole residual stream (the query's own
+identity included), not only of the attention output over the compressed cache. Its
+target is the rest of the layer's mismatch: the reference stream's output minus the
+compressed stream's output with the W_o patch in (drift from lower layers included). The
+same penalty choice, strength and zero-cost folding apply (W_down + Delta, same shapes).
+
 Fitting order (`sequential=True`, default): layers are fit bottom-up and layer l's probe
 queries come from the model whose layers < l are already patched and compressed, i.e. the
 model as deployed; `sequential=False` fits every layer on queries taken from the
@@ -42,6 +50,7 @@ The patch is specific to the context it was fit on.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import NamedTuple, Sequence
 
@@ -82,25 +91,36 @@ class PatchState(NamedTuple):
     strength_kl: tuple = ()  # (strength, held-out KL(reference || patched)) per candidate
     query_scales: tuple = ()  # per layer [Hq] W_q head scales; () = W_q untouched
     query_scale_kl: tuple = ()  # (scale, held-out KL) per candidate query scale
+    ffn_deltas: tuple = ()  # per layer [F, D] W_down delta (times `strength`); () = none
+    ffn_fits: tuple = ()  # LayerFit of the W_down patch per fitted layer
 
 
-def patched_params(model: Model, deltas: Sequence, query_scales: Sequence = ()) -> dict:
-    """Params with W_o + delta per layer and, if given, W_q's head columns scaled."""
+def patched_params(model: Model, deltas: Sequence, query_scales: Sequence = (),
+                   ffn_deltas: Sequence = ()) -> dict:
+    """Params with W_o + delta per layer and, if given, W_q's head columns scaled and
+    W_down + ffn delta."""
     layers = model.params["layers"]
-    if len(deltas) != len(layers):
-        raise ValueError(f"patch has {len(deltas)} layers, model has {len(layers)}")
-    if query_scales and len(query_scales) != len(layers):
-        raise ValueError(f"query_scales has {len(query_scales)} layers, model has "
-                         f"{len(layers)}")
+    for name, per_layer in (("patch", deltas), ("query_scales", query_scales),
+                            ("ffn_deltas", ffn_deltas)):
+        if (per_layer or name == "patch") and len(per_layer) != len(layers):
+            raise ValueError(f"{name} has {len(per_layer)} layers, model has {len(layers)}")
     new_layers = []
     for i, (p, d) in enumerate(zip(layers, deltas)):
-        if d.shape != p["wo"].shape:
-            raise ValueError(f"layer {i}: patch shape {d.shape} != wo shape {p['wo'].shape}")
-        new = {**p, "wo": (p["wo"].astype(jnp.float32) + d).astype(p["wo"].dtype)}
+        new = {**p, "wo": _plus(p["wo"], d, f"layer {i}: patch", "wo")}
         if query_scales:
             new["wq"] = scaled_wq(p["wq"], query_scales[i], model.config.head_dim)
+        if ffn_deltas:
+            new["w_down"] = _plus(p["w_down"], ffn_deltas[i], f"layer {i}: ffn patch",
+                                  "w_down")
         new_layers.append(new)
     return {**model.params, "layers": tuple(new_layers)}
+
+
+def _plus(w: jax.Array, delta, what: str, name: str) -> jax.Array:
+    """w + delta in f32, back in w's dtype."""
+    if delta.shape != w.shape:
+        raise ValueError(f"{what} shape {delta.shape} != {name} shape {w.shape}")
+    return (w.astype(jnp.float32) + delta).astype(w.dtype)
 
 
 def scaled_wq(wq: jax.Array, head_scales, head_dim: int) -> jax.Array:
@@ -113,20 +133,22 @@ def scaled_wq(wq: jax.Array, head_scales, head_dim: int) -> jax.Array:
 
 
 def apply_patch(model: Model, state: PatchState) -> Model:
-    return model.replace(params=patched_params(model, state.deltas, state.query_scales),
+    return model.replace(params=patched_params(model, state.deltas, state.query_scales,
+                                               state.ffn_deltas),
                          tags=model.tags + ("patchkv",))
 
 
 def patch_nbytes(state: PatchState) -> int:
-    """Bytes of the non-zero layer patches (f32) as a server stores them per context: the
-    dense delta, or its two factors [d_in, r] and [r, d_out] for a reduced-rank patch, plus
-    the query head scales of layers that have any."""
-    rank = {f.layer: f.rank for f in state.fits}
+    """Bytes of the non-zero layer patches (W_o and W_down, f32) as a server stores them
+    per context: the dense delta, or its two factors [d_in, r] and [r, d_out] for a
+    reduced-rank patch, plus the query head scales of layers that have any."""
     total = sum(int(np.asarray(q).nbytes) for q in state.query_scales if np.any(q != 1))
-    for layer, d in enumerate(state.deltas):
-        if bool(jnp.any(d != 0)):
-            r = rank.get(layer)
-            total += int(d.nbytes) if r is None else r * sum(d.shape) * d.dtype.itemsize
+    for deltas, fits in ((state.deltas, state.fits), (state.ffn_deltas, state.ffn_fits)):
+        rank = {f.layer: f.rank for f in fits}
+        for layer, d in enumerate(deltas):
+            if bool(jnp.any(d != 0)):
+                r = rank.get(layer)
+                total += int(d.nbytes) if r is None else r * sum(d.shape) * d.dtype.itemsize
     return total
 
 
@@ -142,7 +164,7 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
                 sequential: bool = True, target: str = "attention",
                 layers: Sequence[int] | None = None,
                 strengths: Sequence[float] = (),
-                query_scales: Sequence[float] = ()) -> PatchState:
+                query_scales: Sequence[float] = (), ffn: bool = False) -> PatchState:
     """Fit the per-layer patches of `model` (whose caches compress) for a probed context.
 
     states: the context's cache states as `model` prefilled them (batch = contexts, at
@@ -157,17 +179,15 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
       those `layers` leaves out; 1 always competes), chosen on the held-out rows by the
       same KL before any W_o patch is fit (see the module docstring); empty: W_q is left
       alone.
+    ffn: also patch each fitted layer's W_down (dense FFN layers only; module docstring).
     """
-    _validate(model, probed, target, layers)
+    _validate(model, probed, target, layers, ffn)
     _validate_strengths(strengths, probed)
     _validate_query_scales(query_scales, probed)
     t0 = time.perf_counter()
     c, probes = model.config, probed.probes
     if states is None:
         _, states = prefill_batch(model, probed.tokens, probed.lengths, probed.max_len)
-    start = jnp.asarray(probed.lengths[probes.context], jnp.int32)
-    n_new = jnp.asarray(probes.lengths, jnp.int32)
-    holdout = np.repeat(probes.holdout, probes.lengths)
     to_fit = set(range(c.n_layers) if layers is None else layers)
     # one held-out setup (reference log-probs, tiled caches) serves both choices below
     held_out_kl = _held_out_kl(model, probed, states) if strengths or query_scales else None
@@ -177,36 +197,79 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
                                               held_out_kl)
         scales = _uniform_scales(model, scale)
         model = model.replace(params=patched_params(model, _no_deltas(model), scales))
+    fitter = _LayerFitter(model, probed, states, ridge_config, target)
     x_cmp = probed.reference.hidden[0]
-    deltas, fits = [], []
+    deltas, fits, ffn_deltas, ffn_fits = [], [], [], []
     for layer in range(c.n_layers):
-        x_ref = probed.reference.hidden[layer]
-        x_in = x_cmp if sequential else x_ref
-        s_cmp = tile_states(states[layer:layer + 1], probes.context)[0]
-        view = layerwise.layer_view(model, layer)
-        x_out, cap = layerwise.run_layer(view, x_in, start, n_new, s_cmp)
-        o_cmp, o_ref = cap["attn"], probed.reference.captures[layer]["attn"]
-        delta = jnp.zeros(model.params["layers"][layer]["wo"].shape, jnp.float32)
-        if layer in to_fit:
-            drift = x_ref - x_in if target == "residual" else None
-            fit_delta, fit = _fit_layer(model, layer, o_cmp, o_ref, drift,
-                                        probes.lengths, holdout, ridge_config)
-            fits.append(fit)
-            if np.any(fit_delta):
-                delta = jnp.asarray(fit_delta, jnp.float32)
-                if sequential:  # the next layer sees this layer patched
-                    wo = patched_params(view, [delta])["layers"][0]["wo"]
-                    x_out = layerwise.finish_layer(view, x_in, o_cmp, wo)
+        x_in = x_cmp if sequential else probed.reference.hidden[layer]
+        x_out, delta, fit, ffn_delta, ffn_fit = fitter.layer(layer, x_in, layer in to_fit,
+                                                             ffn)
         deltas.append(delta)
+        fits += [fit] if fit else []
+        ffn_deltas += [ffn_delta] if ffn else []
+        ffn_fits += [ffn_fit] if ffn_fit else []
         x_cmp = x_out
     strength, kls = 1.0, ()
     if strengths:
         strength, kls = select_strength(model, probed, states, deltas, strengths,
-                                        held_out_kl)
+                                        held_out_kl, ffn_deltas)
         deltas = [d * strength for d in deltas]
-    jax.block_until_ready(deltas)
+        ffn_deltas = [d * strength for d in ffn_deltas]
+    jax.block_until_ready((deltas, ffn_deltas))
     return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t0, probed.seconds,
-                      probes.n_tokens, strength, kls, tuple(scales), scale_kls)
+                      probes.n_tokens, strength, kls, tuple(scales), scale_kls,
+                      tuple(ffn_deltas), tuple(ffn_fits))
+
+
+class _LayerFitter:
+    """One layer's patches at a time, on the probe rows of one probed context."""
+
+    def __init__(self, model, probed, states, ridge_config, target):
+        probes = probed.probes
+        self.model, self.probed, self.states = model, probed, states
+        self.ridge_config, self.target = ridge_config, target
+        self.start = jnp.asarray(probed.lengths[probes.context], jnp.int32)
+        self.n_new = jnp.asarray(probes.lengths, jnp.int32)
+        self.holdout = np.repeat(probes.holdout, probes.lengths)
+
+    def layer(self, layer, x_in, fit_it, ffn):
+        """(hidden after the layer with its patches in, W_o delta, its LayerFit or None,
+        W_down delta or None, its LayerFit or None) for compressed-stream input x_in."""
+        model, probed, probes = self.model, self.probed, self.probed.probes
+        s_cmp = tile_states(self.states[layer:layer + 1], probes.context)[0]
+        view = layerwise.layer_view(model, layer)
+        x_out, cap = layerwise.run_layer(view, x_in, self.start, self.n_new, s_cmp)
+        o_cmp, o_ref = cap["attn"], probed.reference.captures[layer]["attn"]
+        wo = view.params["layers"][0]["wo"]
+        delta = jnp.zeros(wo.shape, jnp.float32)
+        ffn_delta = (jnp.zeros(view.params["layers"][0]["w_down"].shape, jnp.float32)
+                     if ffn else None)
+        if not fit_it:
+            return x_out, delta, None, ffn_delta, None
+        drift = probed.reference.hidden[layer] - x_in if self.target == "residual" else None
+        rows = functools.partial(_valid_rows, lengths=probes.lengths)
+        y = (rows(o_ref) - rows(o_cmp)) @ np.asarray(wo, np.float64)
+        fit_delta, fit = self._fit(layer, rows(o_cmp), y, drift)
+        if np.any(fit_delta):
+            delta = jnp.asarray(fit_delta, jnp.float32)
+        if not ffn:  # the next layer sees this layer's W_o patched
+            if np.any(fit_delta):
+                x_out = layerwise.finish_layer(view, x_in, o_cmp, wo + delta)
+            return x_out, delta, fit, None, None
+        x_mid = x_in + o_cmp @ (wo + delta)
+        hidden = layerwise.ffn_hidden(view, x_mid)
+        w_down = view.params["layers"][0]["w_down"]
+        residual = probed.reference.hidden[layer + 1] - (x_mid + hidden @ w_down)
+        ffn_fit_delta, ffn_fit = self._fit(layer, rows(hidden), rows(residual), None)
+        if np.any(ffn_fit_delta):
+            ffn_delta = jnp.asarray(ffn_fit_delta, jnp.float32)
+        return x_mid + hidden @ (w_down + ffn_delta), delta, fit, ffn_delta, ffn_fit
+
+    def _fit(self, layer, x, y, drift):
+        """Ridge delta [d_in, d_out] with x delta ~ y (+ drift) on the valid probe rows."""
+        with ridge.single_blas_thread():
+            return _fit_rows(layer, x, y, drift, self.probed.probes.lengths, self.holdout,
+                             self.ridge_config)
 
 
 def select_query_scale(model: Model, probed: ProbedContext, states: tuple,
@@ -231,12 +294,15 @@ def _no_deltas(model: Model) -> list:
 
 
 def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: Sequence,
-                    strengths: Sequence[float], held_out_kl=None) -> tuple[float, tuple]:
+                    strengths: Sequence[float], held_out_kl=None,
+                    ffn_deltas: Sequence = ()) -> tuple[float, tuple]:
     """The scale s of the patch (0 always included) minimising the mean per-token
-    KL(reference || model with W_o + s * Delta) on the held-out probe rows; returns (s,
-    ((s, kl), ...)). held_out_kl: a `_held_out_kl` of the same context to reuse."""
+    KL(reference || model with W_o + s * Delta (and W_down + s * Delta_ffn)) on the
+    held-out probe rows; returns (s, ((s, kl), ...)). held_out_kl: a `_held_out_kl` of the
+    same context to reuse."""
     held_out_kl = held_out_kl or _held_out_kl(model, probed, states)
-    kls = tuple((s, held_out_kl(patched_params(model, [d * s for d in deltas])))
+    kls = tuple((s, held_out_kl(patched_params(model, [d * s for d in deltas], (),
+                                               [d * s for d in ffn_deltas])))
                 for s in sorted({0.0, *map(float, strengths)}))
     return min(kls, key=lambda t: t[1])[0], kls
 
@@ -278,19 +344,12 @@ def _validate_strengths(strengths, probed):
                          "ProbeConfig.holdout > 0 (with at least two probe rows)")
 
 
-def _fit_layer(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
-    with ridge.single_blas_thread():
-        return _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config)
-
-
-def _fit_layer_rows(model, layer, o_cmp, o_ref, drift, lengths, holdout, config):
-    wo = np.asarray(model.params["layers"][layer]["wo"], np.float64)
-    x = _valid_rows(o_cmp, lengths)
-    y = _valid_rows(o_ref, lengths) @ wo - x @ wo
+def _fit_rows(layer, x, y, drift, lengths, holdout, config):
+    """Ridge fit of x delta ~ y (+ the drift rows) on the valid probe rows."""
     if drift is not None:
         y = y + _valid_rows(drift, lengths)
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
-        raise FloatingPointError(f"layer {layer}: probe attention outputs are not finite")
+        raise FloatingPointError(f"layer {layer}: probe activations are not finite")
     use_holdout = holdout if config.selection == "holdout" else None
     fit = ridge.fit_ridge(x, y, use_holdout, config)
     return fit.delta, LayerFit(layer, fit.alpha, fit.lam, fit.train_rel_err, fit.val_rel_err,
@@ -306,7 +365,7 @@ def _validate_query_scales(query_scales, probed):
                          "ProbeConfig.holdout > 0 (with at least two probe rows)")
 
 
-def _validate(model, probed, target, layers):
+def _validate(model, probed, target, layers, ffn=False):
     if not isinstance(probed, ProbedContext):
         raise TypeError(f"probed must be a ProbedContext (research.patchkv.probes."
                         f"probe_context), got {type(probed).__name__}")
@@ -319,17 +378,24 @@ def _validate(model, probed, target, layers):
         bad = [i for i in layers if not 0 <= i < model.config.n_layers]
         if bad:
             raise ValueError(f"layers {bad} out of range [0, {model.config.n_layers})")
+    moe = [i for i in (range(model.config.n_layers) if layers is None else layers)
+           if model.config.is_moe(i)]
+    if ffn and moe:
+        raise ValueError(f"ffn=True patches a dense FFN's W_down; layers {moe} are MoE "
+                         f"(leave them out with layers=...)")
 
 
 def patchkv(*, probes: ProbeConfig = ProbeConfig(),
             ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(), sequential: bool = True,
             target: str = "attention", layers: Sequence[int] | None = None,
-            strengths: Sequence[float] = (), query_scales: Sequence[float] = ()) -> Transform:
+            strengths: Sequence[float] = (), query_scales: Sequence[float] = (),
+            ffn: bool = False, probe_text=None) -> Transform:
     """Transform: calibrate on the context (CalibrationData), return the patched model.
 
-    strengths, query_scales: see `fit_patches`; the experiments use DEV_STRENGTHS (chosen
-    on a dev split), which also lets the held-out probes switch a harmful patch off, and
-    DEV_QUERY_SCALES on quantised caches.
+    strengths, query_scales, ffn: see `fit_patches`; the experiments use DEV_STRENGTHS
+    (chosen on a dev split), which also lets the held-out probes switch a harmful patch
+    off, and DEV_QUERY_SCALES on quantised caches.
+    probe_text: 1-D token ids the probes' text rows come from (`probes.n_text > 0`).
 
     Prefill the context with the model *before* this transform (it builds the compressed
     cache); serve queries with the patched model (see the module docstring).
@@ -340,9 +406,10 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
         raise TypeError(f"probes must be a ProbeConfig, got {type(probes).__name__}")
 
     def calibrate(model, data):
-        return fit_patches(model, probe_context(model, data, probes),
+        return fit_patches(model, probe_context(model, data, probes, probe_text),
                            ridge_config=ridge_config, sequential=sequential, target=target,
-                           layers=layers, strengths=strengths, query_scales=query_scales)
+                           layers=layers, strengths=strengths, query_scales=query_scales,
+                           ffn=ffn)
 
     def apply(model, state):
         if not isinstance(state, PatchState):
@@ -350,15 +417,18 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
         return apply_patch(model, state)
 
     name = (f"patchkv({'seq' if sequential else 'indep'},{target},{ridge_config.selection}"
-            f"{',query_scale' if query_scales else ''})")
+            f"{',query_scale' if query_scales else ''}{',ffn' if ffn else ''})")
     return Transform(calibrate, apply, name)
 
 
 def summarize(state: PatchState) -> dict:
     """Mean train/held-out relative errors before/after, layers patched, bytes, times."""
-    fits = state.fits
+    fits, ffn_fits = state.fits, state.ffn_fits
     mean = lambda xs: float(np.nanmean(xs)) if len(xs) else float("nan")  # noqa: E731
     return {"layers_patched": sum(1 for f in fits if np.isfinite(f.alpha)),
+            "ffn_layers_patched": sum(1 for f in ffn_fits if np.isfinite(f.alpha)),
+            "ffn_val_err_before": mean([f.val_rel_err[0] for f in ffn_fits]),
+            "ffn_val_err_after": mean([f.val_rel_err[1] for f in ffn_fits]),
             "train_err_before": mean([f.train_rel_err[0] for f in fits]),
             "train_err_after": mean([f.train_rel_err[1] for f in fits]),
             "val_err_before": mean([f.val_rel_err[0] for f in fits]),

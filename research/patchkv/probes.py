@@ -1,6 +1,6 @@
 """Probe queries for fitting a patch: token rows placed right after a context.
 
-Three kinds, all available before any real query arrives:
+Four kinds, all available before any real query arrives:
 
 * generated: continuations sampled from the full-cache reference model (the queries the
   uncompressed model would go on to make about this context);
@@ -10,7 +10,12 @@ Three kinds, all available before any real query arrives:
   serve over this context (in a chat they read the user turn back, as answers do);
 * repeat: spans of the context itself re-fed after it (queries that look back for
   specific context content, like a retrieval question does); the spans start at evenly
-  spaced offsets, so together they cover the whole context.
+  spaced offsets, so together they cover the whole context;
+* text: spans of other real text (a pool the caller gives, e.g. the calibration split)
+  placed after the context: real prose, which the model's own samples are not. On a
+  1-bit cache the patch fitted on generated rows cut their held-out KL but not the
+  perplexity of real continuations; fitted on text rows it cut both
+  (experiments/patchkv/README.md). Non-overlapping spans, drawn without replacement.
 
 Rows are split into fit and held-out sets by whole rows (neighbouring tokens are
 correlated, so a token-level split would leak).
@@ -46,16 +51,18 @@ class ProbeConfig:
     seed: int = 0
     n_reply: int = 0  # sampled assistant replies per context (chat contexts only)
     reply_prefix: tuple = ()  # token ids opening the reply (research.patchkv.tasks)
+    n_text: int = 0  # spans of the caller's text pool per context (probe_context(text=))
 
     @property
     def n_rows(self) -> int:
-        return self.n_generated + self.n_repeat + self.n_reply
+        return self.n_generated + self.n_repeat + self.n_reply + self.n_text
 
     def __post_init__(self):
-        if min(self.n_generated, self.n_repeat, self.n_reply) < 0 or self.n_rows < 1:
-            raise ValueError(f"need n_generated, n_repeat, n_reply >= 0 and at least one "
-                             f"probe row, got {self.n_generated=}, {self.n_repeat=}, "
-                             f"{self.n_reply=}")
+        counts = (self.n_generated, self.n_repeat, self.n_reply, self.n_text)
+        if min(counts) < 0 or self.n_rows < 1:
+            raise ValueError(f"need n_generated, n_repeat, n_reply, n_text >= 0 and at "
+                             f"least one probe row, got {self.n_generated=}, "
+                             f"{self.n_repeat=}, {self.n_reply=}, {self.n_text=}")
         if self.length < 1:
             raise ValueError(f"length must be >= 1, got {self.length}")
         if self.n_reply and not 0 < len(self.reply_prefix) < self.length:
@@ -94,6 +101,15 @@ def repeat_rows(context: np.ndarray, n: int, length: int) -> list[np.ndarray]:
     return [context[s:s + span] for s in starts]
 
 
+def text_rows(text: np.ndarray, n: int, length: int, rng) -> list[np.ndarray]:
+    """`n` non-overlapping `length`-token spans of `text`, at random slots (no repeats)."""
+    slots = len(text) // length
+    if n > slots:
+        raise ValueError(f"text pool of {len(text)} tokens holds {slots} spans of {length} "
+                         f"tokens; n_text={n} needs {n * length} tokens")
+    return [text[s * length:(s + 1) * length] for s in rng.choice(slots, n, replace=False)]
+
+
 def generated_rows(reference: Model, states: tuple, last_logits, length_of_context: int,
                    n: int, length: int, sampling: SamplingConfig, key) -> np.ndarray:
     """`n` sampled continuations [n, length] of one prefilled context (batch-1 states)."""
@@ -121,10 +137,13 @@ def reply_rows(reference: Model, states: tuple, length_of_context: int, prefix,
 
 
 def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
-                 ref_states: tuple, ref_logits, config: ProbeConfig) -> ProbeSet:
+                 ref_states: tuple, ref_logits, config: ProbeConfig,
+                 text: np.ndarray | None = None) -> ProbeSet:
     """Probe rows for every context (right-padded `contexts` [B, T], prefilled by the
-    reference into `ref_states` with room for `config.length` more tokens)."""
+    reference into `ref_states` with room for `config.length` more tokens); `text`: the
+    token pool of text rows (each context gets its own spans)."""
     rng = np.random.default_rng(config.seed)
+    text_rng = np.random.default_rng([config.seed, 1])  # other kinds' rows stay as they were
     sampling = SamplingConfig(temperature=config.temperature, top_p=config.top_p)
     rows, ctx_of, kinds, holdout = [], [], [], []
     for b, n in enumerate(np.asarray(lengths)):
@@ -147,6 +166,10 @@ def build_probes(reference: Model, contexts: np.ndarray, lengths: np.ndarray,
                                     config.n_reply, config.length, sampling, key))
             kinds += ["reply"] * config.n_reply
             holdout.append(_holdout_rows(config.n_reply, config.holdout, rng))
+        if config.n_text:
+            rows += text_rows(text, config.n_text, config.length, text_rng)
+            kinds += ["text"] * config.n_text
+            holdout.append(_holdout_rows(config.n_text, config.holdout, text_rng))
         ctx_of += [b] * config.n_rows
     row_lengths = np.array([len(r) for r in rows], np.int32)
     tokens = np.zeros((len(rows), config.length), np.int32)
@@ -197,9 +220,14 @@ def reference_pass(reference: Model, ref_states: tuple, probes: ProbeSet,
 
 
 def probe_context(model: Model, contexts: CalibrationData,
-                  config: ProbeConfig = ProbeConfig()) -> ProbedContext:
+                  config: ProbeConfig = ProbeConfig(),
+                  text: np.ndarray | None = None) -> ProbedContext:
     """Prefill `contexts` in the full-precision reference of `model`, build probe rows and
-    run them through the reference (the half of a patch fit shared by every compression)."""
+    run them through the reference (the half of a patch fit shared by every compression).
+
+    text: 1-D token ids the text rows are drawn from (needed when config.n_text > 0);
+      keep it apart from the evaluation text (the experiments pass the calibration split).
+    """
     import time
     if contexts is None:
         raise ValueError("patchkv needs the context as calibration data "
@@ -207,13 +235,30 @@ def probe_context(model: Model, contexts: CalibrationData,
     if not isinstance(contexts, CalibrationData):
         raise TypeError(f"contexts must be CalibrationData, got {type(contexts).__name__}")
     contexts.validate()
+    text = _check_text(text, config, model.config.vocab_size)
     t0 = time.perf_counter()
     tokens, lengths = np.asarray(contexts.tokens), np.asarray(contexts.lengths)
     ref = reference_model(model)
     max_len = int(lengths.max()) + config.length
     ref_logits, ref_states = prefill_batch(ref, tokens, lengths, max_len)
-    probes = build_probes(ref, tokens, lengths, ref_states, ref_logits, config)
+    probes = build_probes(ref, tokens, lengths, ref_states, ref_logits, config, text)
     ref_pass = reference_pass(ref, ref_states, probes, lengths)
     jax.block_until_ready(ref_pass)
     return ProbedContext(tokens, lengths, probes, ref_states, ref_pass, max_len,
                          time.perf_counter() - t0)
+
+
+def _check_text(text, config: ProbeConfig, vocab_size: int) -> np.ndarray | None:
+    if not config.n_text:
+        return None
+    if text is None:
+        raise ValueError(f"ProbeConfig.n_text={config.n_text} needs a text pool: pass "
+                         f"probe_context(..., text=<1-D token ids>)")
+    text = np.asarray(text)
+    if text.ndim != 1 or not np.issubdtype(text.dtype, np.integer):
+        raise ValueError(f"text must be 1-D integer token ids, got shape {text.shape} "
+                         f"dtype {text.dtype}")
+    if text.size and not 0 <= text.min() <= text.max() < vocab_size:
+        raise ValueError(f"text token ids must be in [0, {vocab_size}), got "
+                         f"[{text.min()}, {text.max()}]")
+    return text.astype(np.int32)
