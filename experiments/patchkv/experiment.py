@@ -205,13 +205,14 @@ def patch_kwargs(config, family: str) -> dict:
             "ffn": bool(config.get("patch_ffn", False))}
 
 
-ABLATIONS = ("independent", "residual", "gcv", "rank64", "no_strength")
+ABLATIONS = ("independent", "residual", "gcv", "rank64", "no_strength", "no_ffn")
 
 
 def run_ablations(model, config, probed, ridge_cfg, score, records):
     """Variants of the default PatchKV on the first compression at its smallest budget:
-    independent (teacher-forced) fitting, the residual target, GCV, a patch capped at rank
-    64 (stored as factors: ~1/5 of the dense bytes) and no strength selection."""
+    independent (teacher-forced) fitting, the residual target, GCV, patches capped at rank
+    64 (stored as factors: ~1/5 of the dense bytes), no strength selection and no W_down
+    patch (W_o only)."""
     name, ratio = config.compressions[0], min(config.budgets)
     m, states = compressed_states(model, name, ratio, probed)
     default = patch_kwargs(config, "eviction")
@@ -220,7 +221,8 @@ def run_ablations(model, config, probed, ridge_cfg, score, records):
                "gcv": (default, RidgeConfig(selection="gcv")),
                "rank64": (default, RidgeConfig(selection=ridge_cfg.selection, ranks=(64,),
                                                allow_full_rank=False)),
-               "no_strength": ({**default, "strengths": ()}, ridge_cfg)}
+               "no_strength": ({**default, "strengths": ()}, ridge_cfg),
+               "no_ffn": ({**default, "ffn": False}, ridge_cfg)}
     for ablation in config.ablations:
         if ablation not in options:
             raise ValueError(f"unknown ablation {ablation!r}; expected one of {ABLATIONS}")
@@ -362,6 +364,13 @@ def make_plot(rows, config):
     return plot
 
 
+def _probe_mix(cfg: ProbeConfig) -> str:
+    kinds = (("sampled continuations", cfg.n_generated), ("context repeats", cfg.n_repeat),
+             ("sampled assistant replies", cfg.n_reply),
+             ("calibration-text spans", cfg.n_text))
+    return " + ".join(f"{n} {name}" for name, n in kinds if n) or "none"
+
+
 def chat_probes(probe_cfg: ProbeConfig, config, tok) -> ProbeConfig:
     """Probes for chat contexts (retrieval: the context is an open user turn): the
     config's `retrieval.probes` overrides, with the tokenizer's reply prefix."""
@@ -414,11 +423,11 @@ def run(config, out_dir=None) -> common.Report:
         f"continuations of {config.continuation.continuation_len} tokens (held-out prose); "
         f"{len(retr)} retrieval context(s) x {r.n_facts} questions; contexts of "
         f"~{config.continuation.context_len} tokens. ppl over continuation tokens 1..m-1.",
-        "patchkv: W_o + Delta per layer, ridge fit sequentially on probe rows "
-        f"({probe_cfg.n_generated} sampled continuations + {probe_cfg.n_repeat} context "
-        f"repeats of {probe_cfg.length} tokens; retrieval contexts: "
-        f"{chat_probe_cfg.n_generated} continuations + {chat_probe_cfg.n_reply} sampled "
-        f"assistant replies), lambda by {config.ridge_selection}"
+        "patchkv: W_o + Delta per layer"
+        + (" then W_down + Delta_ffn" if config.get("patch_ffn", False) else "")
+        + ", ridge fit sequentially on probe rows of "
+        f"{probe_cfg.length} tokens ({_probe_mix(probe_cfg)}; retrieval contexts: "
+        f"{_probe_mix(chat_probe_cfg)}), lambda by {config.ridge_selection}"
         + (f", rank from {ridge_cfg.ranks} or full" if ridge_cfg.ranks else "") + "; "
         "grkv/am: kept values (and AM biases) refit on the same probes (eviction only).",
         "tasq-Nbit: TaSQ calibrated once on the calibration split "
@@ -429,8 +438,8 @@ def run(config, out_dir=None) -> common.Report:
         f"{np.mean(probe_s):.1f}s; fit_s is per compression.",
         f"full-precision KV of one {config.continuation.context_len}-token context: "
         f"{full_kv / 1024:.0f} KB; patch_MB is the dense f32 Delta of all patched layers "
-        "(it replaces W_o for this context; at this context length it is larger than the "
-        "KV it saves).",
+        "(it replaces W_o (and W_down) for this context; at this context length it is "
+        "larger than the KV it saves).",
         "gap closed (ppl_none - ppl_patch) / (ppl_none - ppl_full): " + ", ".join(
             f"{k}: {v:.0%}" for k, v in closed.items()),
         "gap closed on each continuation context: " + ", ".join(

@@ -79,7 +79,7 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
                                     continuation_len=12)[0]
     config = get_config("small")
     config.compressions, config.budgets = ("snapkv",), (0.25,)
-    config.ablations = ("rank64", "no_strength")
+    config.ablations = ("rank64", "no_strength", "no_ffn")
     records = []
     with tqdm(total=1, disable=True) as bar:
         ex.run_context("continuation", model, None, task, config,
@@ -88,7 +88,7 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     methods = [(r["compression"], r["method"]) for r in records]
     assert methods == [("full", "full")] + [("snapkv", m) for m in config.methods] + [
         ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"), ("snapkv", "patchkv[rank64]"),
-        ("snapkv", "patchkv[no_strength]")]
+        ("snapkv", "patchkv[no_strength]"), ("snapkv", "patchkv[no_ffn]")]
     records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"],
                           [r for r in records if r["compression"] == "tasq-1bit"])
     # quantised caches: the W_q scale competes (eviction: none), budget = KV byte fraction
@@ -106,6 +106,9 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
         assert both["patch_bytes"] > 0 or both["strength"] == 0.0
         assert both["fit_s"] > 0 and both["strength"] is not None
     assert by["patchkv[rank64]"]["patch_bytes"] <= by["patchkv[no_strength]"]["patch_bytes"]
+    # the config's W_down patch adds bytes over the W_o-only ablation (same probes)
+    assert config.patch_ffn and (by["patchkv[no_ffn]"]["patch_bytes"]
+                                 < by["patchkv[no_strength]"]["patch_bytes"])
     rows = ex.aggregate(records)
     assert set(ex.gap_closed_per_context(records)) == {"snapkv@0.25"}
     assert all(math.isfinite(r["ppl"]) for r in rows)
