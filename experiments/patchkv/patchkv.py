@@ -84,11 +84,11 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.patch_target = "attention"
     c.quantizer_patch_target = "attention"
     # Quantised caches: one W_q scale for every query head (a logit temperature against
-    # the flattening a 1-bit key codebook causes) competes on the held-out KL before the
-    # W_o patches are fit. Dev, TaSQ 1-bit, pooled gap closed: 0% without (strength 0 on
-    # both contexts), 31% with (scale 1.2, strength 0.5 on both; README). On the five
-    # non-dev contexts measured later it is a wash on average (README). Eviction: off.
-    c.quantizer_query_scales = (0.9, 1.1, 1.2, 1.3, 1.4)  # = patch.DEV_QUERY_SCALES
+    # the flattening a 1-bit key codebook causes) can compete on the held-out KL before
+    # the W_o patches are fit (patch.DEV_QUERY_SCALES). With 64 generated probes it lifted
+    # dev TaSQ 1-bit from 0% to 31% but was a wash on five non-dev contexts (README); the
+    # text-row + W_down default reaches 64% on dev without it. Off: () .
+    c.quantizer_query_scales = ()
     # Ablations on the first compression at the smallest budget (continuation contexts).
     c.ablations = (("independent", "residual", "gcv", "rank64", "no_strength", "no_ffn")
                    if not small else ("independent", "rank64", "no_strength", "no_ffn"))

@@ -80,6 +80,7 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     config = get_config("small")
     config.compressions, config.budgets = ("snapkv",), (0.25,)
     config.ablations = ("rank64", "no_strength", "no_ffn")
+    config.quantizer_query_scales = (1.2,)  # off by default; the option stays exercised
     records = []
     with tqdm(total=1, disable=True) as bar:
         ex.run_context("continuation", model, None, task, config,
