@@ -16,7 +16,8 @@ CELLS = [
         "cache (here SnapKV keeps 10% of it). PatchKV then fits, once per context and in "
         "closed form, a patch `Delta` of every layer's output projection so that attention "
         "over the compressed cache, times `W_o + Delta`, matches attention over the full "
-        "cache on probe queries. The patched model has the same shapes and FLOPs per "
+        "cache on probe queries, then a patch of every FFN's `W_down` for what is left of "
+        "the layer's output mismatch. The patched model has the same shapes and FLOPs per "
         "query. The full comparison (presses x budgets x baselines) is "
         "`python -m experiments.run --config=experiments/patchkv/patchkv.py:small`."),
     new_code_cell(INSTALL),
@@ -26,6 +27,7 @@ CELLS = [
         "from research.model import load\n"
         "model, tokenizer = load()\n"
         "ids = tokenizer.encode(data.corpus_text('heldout'))  # never calibrated on\n"
+        "calib_ids = np.array(tokenizer.encode(data.corpus_text('calibration')))\n"
         "context, continuations = np.array(ids[:256]), np.array(ids[256:320]).reshape(2, 32)\n"
         "print(len(ids), 'held-out tokens; context', len(context), 'tokens')"),
     new_markdown_cell(
@@ -46,18 +48,21 @@ CELLS = [
         "      state_nbytes(trim_states(ctx.states, room=0)))"),
     new_markdown_cell(
         "## Fit the patch: `chain(evict(...), patchkv(...))`\nThe calibration data is the "
-        "context itself. Probe queries are sampled continuations of the full-cache model "
-        "(re-fed spans of the context are optional: `n_repeat`); lambda is chosen per layer "
-        "on held-out probe rows (the zero patch competes, so a layer that does not gain "
-        "stays unpatched). `strengths` then scales the whole patch by the factor with the "
-        "least KL(full-cache model || patched model) on the held-out rows, 0 included: the "
-        "per-layer fits see attention outputs, this check sees next-token distributions."),
+        "context itself. Probe rows follow it: here spans of real text from the calibration "
+        "split (`n_text`; sampled continuations of the full-cache model, `n_generated`, and "
+        "re-fed spans of the context, `n_repeat`, are the other kinds). Lambda is chosen "
+        "per layer on held-out probe rows (the zero patch competes, so a layer that does not "
+        "gain stays unpatched); `ffn=True` adds the W_down patch after each layer's W_o "
+        "patch. `strengths` then scales the whole patch by the factor with the least "
+        "KL(full-cache model || patched model) on the held-out rows, 0 included: the "
+        "per-layer fits see activations, this check sees next-token distributions."),
     new_code_cell(
         "from research.patchkv import patch\n"
         "from research.patchkv.probes import ProbeConfig\n"
         "from research.transforms import CalibrationData, calibrate_and_apply, chain\n"
-        "t = chain(evict('snapkv', 0.1), patch.patchkv(probes=ProbeConfig(\n"
-        "    n_generated=4, n_repeat=4, length=32), strengths=(0.5, 1.0, 1.5)))\n"
+        "t = chain(evict('snapkv', 0.1), patch.patchkv(\n"
+        "    probes=ProbeConfig(n_generated=0, n_text=8, length=32), probe_text=calib_ids,\n"
+        "    ffn=True, strengths=(0.5, 1.0, 1.5)))\n"
         "calib = CalibrationData(jnp.asarray(context[None]), jnp.asarray([len(context)]))\n"
         "patched, (_, pstate) = calibrate_and_apply(t, model, calib)\n"
         "print(t.name)\n"
@@ -65,11 +70,12 @@ CELLS = [
         "       for k, v in patch.summarize(pstate).items()})"),
     new_markdown_cell(
         "On a quantised cache the same transform chains after the quantizer: "
-        "`chain(frozen_tasq, patch.patchkv(strengths=patch.DEV_STRENGTHS, "
-        "query_scales=patch.DEV_QUERY_SCALES))`. `query_scales` first lets one W_q scale "
-        "per query head (a logit temperature, folded into the weight) compete on the same "
-        "held-out KL: a 1-bit key codebook flattens attention, which no map of the "
-        "attention output can sharpen back."),
+        "`chain(frozen_tasq, patch.patchkv(...))`. Optionally `query_scales="
+        "patch.DEV_QUERY_SCALES` first lets one W_q scale per query head (a logit "
+        "temperature, folded into the weight) compete on the same held-out KL: a 1-bit key "
+        "codebook flattens attention, which no map of the attention output can sharpen "
+        "back (the experiment leaves it off: the text rows and the W_down patch did better "
+        "on its dev split)."),
     new_markdown_cell(
         "## Many queries over one compressed context\nThe compressed cache was built by the "
         "unpatched model; every query is served by the patched one over that cache."),
@@ -100,8 +106,9 @@ CELLS = [
         "Here it runs on a reduced config: one 256-token continuation context (4 "
         "continuations of 32 tokens) and one retrieval context with 3 facts, SnapKV and "
         "StreamingLLM at 10 / 25 / 50%, no patch vs PatchKV vs the GRKV-style ridge merge "
-        "vs the Attention-Matching-style value fit, 16 probe rows. One small context is "
-        "noisy: the README reports the `small` run (two 512-token contexts, 64 probes)."),
+        "vs the Attention-Matching-style value fit, 32 text probe rows, W_o patches only. One "
+        "small context is noisy: the README reports the `small` run (two 512-token "
+        "contexts, 128 probe rows)."),
     new_code_cell(
         "import matplotlib.pyplot as plt\n"
         "from IPython.display import Markdown, display\n"
@@ -114,7 +121,9 @@ CELLS = [
         "cfg.continuation.update(n_contexts=1, context_len=256, n_continuations=4,\n"
         "                        continuation_len=32)\n"
         "cfg.retrieval.update(n_contexts=1, n_facts=3, context_len=256)\n"
-        "cfg.probes.update(n_generated=16, length=32)\n"
+        "cfg.probes.update(n_text=32, length=32)\n"
+        "cfg.patch_ffn = False  # W_o patches only: the W_down ridge (1536 features x 30\n"
+        "# layers) costs ~2 min of CPU per fit, too slow for 12 fits here; on by default\n"
         "report = experiment.run(cfg)\n"
         "display(Markdown(common.render_markdown(report)))"),
     new_code_cell(

@@ -394,7 +394,8 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
 
     strengths, query_scales, ffn: see `fit_patches`; the experiments use DEV_STRENGTHS
     (chosen on a dev split), which also lets the held-out probes switch a harmful patch
-    off, and DEV_QUERY_SCALES on quantised caches.
+    off, and ffn=True with text probe rows (DEV_QUERY_SCALES is an option for quantised
+    caches; the dev split preferred the W_down patch).
     probe_text: 1-D token ids the probes' text rows come from (`probes.n_text > 0`).
 
     Prefill the context with the model *before* this transform (it builds the compressed
