@@ -3,14 +3,18 @@ GRKV-style ridge merge, Attention-Matching-style value fit}, one context, many q
 
 Command:   python -m experiments.run --config=experiments/patchkv/patchkv.py:small
 Hardware:  small = CPU (2 continuation contexts of 512 tokens with 8 continuations, 2
-           retrieval contexts with 4 facts each; SnapKV and StreamingLLM at 10% / 25%),
-           see README for the measured wall time; full = all five presses at 10/25/50%,
-           4 + 4 contexts of 1024 tokens (hours on CPU, minutes on an accelerator).
+           retrieval contexts with 4 facts each; SnapKV and StreamingLLM at 10% / 25%):
+           ~106 min on 2 CPU cores with --config.methods='("none","patchkv","grkv","am")'
+           --config.ablations='("no_ffn",)' (the README's run); the two compositions and
+           four ablations as configured add ~2.5 min of CPU per patch fit (~3 h more);
+           full = all five presses at 10/25/50%, 4 + 4 contexts of 1024 tokens (hours on
+           CPU, minutes on an accelerator).
 Expected:  the claims table: PatchKV closes >= 50% of the continuation-perplexity gap
            between the compressed and the full cache at 10% and 25% (SnapKV,
            StreamingLLM) and on the 1-bit TaSQ cache, and answers more retrieval
            questions than the unpatched press; the patched decode step has the
-           unpatched one's FLOPs and parameter shapes.
+           unpatched one's FLOPs and parameter shapes. Measured (README): continuation
+           targets met in every cell, retrieval ties the unpatched press.
 """
 import ml_collections
 
@@ -87,7 +91,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     # the flattening a 1-bit key codebook causes) can compete on the held-out KL before
     # the W_o patches are fit (patch.DEV_QUERY_SCALES). With 64 generated probes it lifted
     # dev TaSQ 1-bit from 0% to 31% but was a wash on five non-dev contexts (README); the
-    # text-row + W_down default reaches 64% on dev without it. Off: () .
+    # text-row + W_down default reaches 64% on dev without it. Off.
     c.quantizer_query_scales = ()
     # Ablations on the first compression at the smallest budget (continuation contexts).
     c.ablations = (("independent", "residual", "gcv", "rank64", "no_strength", "no_ffn")
