@@ -85,10 +85,6 @@ SETTINGS = {
                         "query_scales": DEV_QUERY_SCALES}),
     "text128rep32_ffn": ({"n_generated": 0, "n_repeat": 32, "n_text": 128}, "holdout",
                          {"strengths": DEV_STRENGTHS, "ffn": True}),
-    "text128rep64_ffn": ({"n_generated": 0, "n_repeat": 64, "n_text": 128}, "holdout",
-                         {"strengths": DEV_STRENGTHS, "ffn": True}),
-    "rep64_ffn": ({"n_generated": 0, "n_repeat": 64}, "holdout",
-                  {"strengths": DEV_STRENGTHS, "ffn": True}),
     # reply probes (chat contexts: retrieval; dev_retrieval fills in the reply prefix)
     "gen32reply32_wide": ({"n_generated": 32, "n_repeat": 0, "n_reply": 32}, "holdout",
                           {"strengths": DEV_STRENGTHS}),

@@ -22,7 +22,7 @@ from research.model import load
 from research.patchkv import baselines, patch, session, tasks
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
-from research.serving.generate import decode_step, default_stop_tokens
+from research.serving.generate import default_stop_tokens
 from research.tasq import TaSQConfig, tasq
 from research.transforms import CalibrationData, Transform, calibrate_and_apply, frozen
 
@@ -294,17 +294,10 @@ def flops_check(model, name, ratio, probed, ffn=False) -> dict:
     c = model.config
     state = state._replace(query_scales=(np.full(c.n_heads, 1.2, np.float32),) * c.n_layers)
     patched = patch.apply_patch(m, state)
-    b = 1
-    args = (jnp.zeros((b,), jnp.int32), jnp.asarray(probed.lengths[:b], jnp.int32),
-            jnp.ones((b,), bool), states)
-
-    def flops(mm):
-        cost = decode_step.lower(mm, *args).compile().cost_analysis()
-        return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
-
-    shapes = lambda mm: jax.tree.map(lambda x: (x.shape, str(x.dtype)), mm.params)  # noqa
-    return {"flops_unpatched": flops(m), "flops_patched": flops(patched),
-            "same_param_shapes": shapes(m) == shapes(patched)}
+    lengths = probed.lengths[:1]
+    return {"flops_unpatched": session.decode_flops(m, states, lengths),
+            "flops_patched": session.decode_flops(patched, states, lengths),
+            "same_param_shapes": session.param_shapes(m) == session.param_shapes(patched)}
 
 
 def claims(rows, config, flops):
@@ -424,7 +417,7 @@ def run(config, out_dir=None) -> common.Report:
         f"{len(retr)} retrieval context(s) x {r.n_facts} questions; contexts of "
         f"~{config.continuation.context_len} tokens. ppl over continuation tokens 1..m-1.",
         "patchkv: W_o + Delta per layer"
-        + (" then W_down + Delta_ffn" if config.get("patch_ffn", False) else "")
+        + (" then W_down + Delta_ffn" if patch_kwargs(config, "eviction")["ffn"] else "")
         + ", ridge fit sequentially on probe rows of "
         f"{probe_cfg.length} tokens ({_probe_mix(probe_cfg)}; retrieval contexts: "
         f"{_probe_mix(chat_probe_cfg)}), lambda by {config.ridge_selection}"

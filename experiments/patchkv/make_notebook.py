@@ -91,12 +91,10 @@ CELLS = [
         "print(f'full cache ppl {np.exp(full.nll):7.2f}')"),
     new_markdown_cell("## Zero per-query overhead: same parameter shapes, same decode FLOPs"),
     new_code_cell(
-        "from research.serving.generate import decode_step\n"
-        "shapes = lambda m: jax.tree.map(lambda x: x.shape, m.params)\n"
-        "print('same shapes:', shapes(patched) == shapes(compressed))\n"
-        "args = (jnp.zeros((1,), jnp.int32), jnp.asarray([len(context)]), "
-        "jnp.ones((1,), bool), ctx.states)\n"
-        "flops = [decode_step.lower(m, *args).compile().cost_analysis()['flops']\n"
+        "print('same shapes:',\n"
+        "      session.param_shapes(patched) == session.param_shapes(compressed))\n"
+        "# XLA cost analysis of the compiled decode step over this context's cache\n"
+        "flops = [session.decode_flops(m, ctx.states, [len(context)])\n"
         "         for m in (compressed, patched)]\n"
         "print('decode-step FLOPs (unpatched, patched):', flops)\n"
         "print('patch memory (MB, dense f32):', patch.patch_nbytes(pstate) / 2**20)"),

@@ -136,6 +136,22 @@ def attention_error(candidate: tuple, reference: tuple) -> float:
     return float(np.mean(errs))
 
 
+def decode_flops(model: Model, states: tuple, lengths: Sequence[int]) -> float:
+    """XLA cost-analysis FLOPs of `model`'s compiled decode step for one new token per
+    cache row (`lengths`: tokens already in each row of `states`). A patch that costs
+    nothing per query leaves this number unchanged."""
+    b = len(lengths)
+    args = (jnp.zeros((b,), jnp.int32), jnp.asarray(lengths, jnp.int32),
+            jnp.ones((b,), bool), states)
+    cost = gen.decode_step.lower(model, *args).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+
+def param_shapes(model: Model):
+    """(shape, dtype name) of every parameter, as a pytree (equal for a folded patch)."""
+    return jax.tree.map(lambda x: (x.shape, str(x.dtype)), model.params)
+
+
 def answer_queries(model: Model, ctx: ContextCache, queries: Sequence[Sequence[int]], *,
                    max_new_tokens: int, stop_tokens: Sequence[int] = ()) -> list[list[int]]:
     """Greedy answers to each query (a token suffix appended after the context)."""

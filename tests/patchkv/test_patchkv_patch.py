@@ -17,7 +17,6 @@ from research.patchkv import baselines, patch, session
 from research.patchkv.probes import ProbeConfig, probe_context
 from research.patchkv.ridge import RidgeConfig
 from research.core.pytree import pytree_dataclass, static_field
-from research.serving.generate import decode_step
 from research.transforms import CalibrationData, Transform, calibrate_and_apply, chain
 
 PROBES = ProbeConfig(n_generated=4, n_repeat=4, length=16, seed=0)
@@ -192,28 +191,19 @@ def test_layerwise_runner_matches_the_full_forward(model, probed):
 def assert_same_shapes_and_decode_flops(patched, compressed):
     """The patched model's params have the unpatched shapes/dtypes and its compiled decode
     step the same XLA FLOP count."""
-    shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), m.params)  # noqa: E731
-    assert shapes(patched) == shapes(compressed)
-    states = compressed.init_cache(2, 128)
-    args = (jnp.zeros((2,), jnp.int32), jnp.full((2,), N_CTX, jnp.int32),
-            jnp.ones((2,), bool), states)
-
-    def flops(m):
-        cost = decode_step.lower(m, *args).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        return cost["flops"]
-
-    assert flops(patched) == flops(compressed) > 0
+    assert session.param_shapes(patched) == session.param_shapes(compressed)
+    states, lengths = compressed.init_cache(2, 128), [N_CTX] * 2
+    flops = session.decode_flops(compressed, states, lengths)
+    assert session.decode_flops(patched, states, lengths) == flops > 0
 
 
 def test_zero_per_query_overhead(model, probed):
     compressed = evict("snapkv", 0.25).apply(model, ())
-    patched = patch.patchkv(probes=PROBES).apply(compressed,
-                                                 patch.fit_patches(compressed, probed))
+    fitted = patch.fit_patches(compressed, probed)
+    patched = patch.patchkv(probes=PROBES).apply(compressed, fitted)
     assert_same_shapes_and_decode_flops(patched, compressed)
     c = model.config  # a W_q scale (quantised caches' patches) folds in the same way
-    state = patch.fit_patches(compressed, probed)._replace(
-        query_scales=(np.full(c.n_heads, 1.5, np.float32),) * c.n_layers)
+    state = fitted._replace(query_scales=(np.full(c.n_heads, 1.5, np.float32),) * c.n_layers)
     scaled = patch.apply_patch(compressed, state)
     assert not np.allclose(scaled.params["layers"][0]["wq"], patched.params["layers"][0]["wq"])
     assert_same_shapes_and_decode_flops(scaled, compressed)
