@@ -2,10 +2,13 @@
 seeds config.seed + i; these use seeds from --seed-offset on, so no setting is chosen on a
 test context).
 
-    python -m experiments.patchkv.dev_retrieval --settings gen32,rep32 [--contexts 3]
+    python -m experiments.patchkv.dev_retrieval --settings rep32_ffn,rep64_ffn \
+        [--contexts 3] [--compressions snapkv@0.1,streaming_llm@0.25,tasq-1bit]
 
-Prints one JSON line per (setting, context, compression) with the questions answered
-correctly, then a table of totals (the unpatched press and the full cache included).
+Prints one JSON line per (setting, context, compression): the questions answered correctly
+(greedy, exact match) and each answer's teacher-forced log-probability (the sum over its
+tokens: finer than 4 right-or-wrong answers), then a table of totals (the unpatched press
+and the full cache included).
 """
 from __future__ import annotations
 
@@ -14,73 +17,111 @@ import collections
 import json
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from experiments.patchkv import experiment as ex
 from experiments.patchkv.dev_sweep import SETTINGS, load_small, ridge_config
-from research.patchkv import tasks
+from research.patchkv import session, tasks
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.serving.generate import default_stop_tokens
+from research.transforms import calibrate_and_apply
+
+DEFAULT_COMPRESSIONS = ("snapkv@0.1,snapkv@0.25,streaming_llm@0.1,streaming_llm@0.25,"
+                        "tasq-1bit")
+
+
+def answer_rows(tok, task) -> list[tuple[np.ndarray, int]]:
+    """(question + " " + answer token ids, question length) per question."""
+    rows = []
+    for q, a in zip(task.questions, task.answers):
+        full = np.asarray(tok.encode(tok.decode(list(q)) + " " + a), np.int32)
+        if list(full[:len(q)]) != list(q):
+            raise ValueError(f"the answer {a!r} changes the question's tokenization")
+        rows.append((full, len(q)))
+    return rows
+
+
+def answer_log_probs(variant, length, rows) -> list[float]:
+    """Teacher-forced log p(answer tokens | context, question) per question."""
+    tokens, lengths = session.pad_rows([r for r, _ in rows])
+    states = session.tile_states(variant["states"], np.zeros(len(rows), np.int32))
+    logits, _ = session.query_forward(variant["model"], jnp.asarray(tokens),
+                                      jnp.full((len(rows),), length, jnp.int32),
+                                      jnp.asarray(lengths), states)
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    return [float(sum(logp[i, t - 1, r[t]] for t in range(n, len(r))))
+            for i, (r, n) in enumerate(rows)]
+
+
+def compressed(model, comp, probed, quantizers):
+    """(model, states) of one "<policy>@<ratio>" or quantizer-name compression."""
+    if comp in quantizers:
+        return ex.prefilled(calibrate_and_apply(quantizers[comp], model, None)[0], probed)
+    name, ratio = comp.split("@")
+    return ex.compressed_states(model, name, float(ratio), probed)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--settings", default="gen32,rep32")
+    ap.add_argument("--settings", default="rep32_ffn,rep64_ffn")
     ap.add_argument("--contexts", type=int, default=3)
     ap.add_argument("--seed-offset", type=int, default=1000)
-    ap.add_argument("--budgets", default="0.1,0.25")
+    ap.add_argument("--compressions", default=DEFAULT_COMPRESSIONS)
     args = ap.parse_args(argv)
     config, model, tok, heldout = load_small()
     r = config.retrieval
     stops = default_stop_tokens(tok)
     reply_prefix = tasks.reply_prefix(tok)
     text = ex.probe_text(tok, config)
-    budgets = [float(b) for b in args.budgets.split(",")]
-    totals = collections.Counter()
-    asked = collections.Counter()
+    comps = args.compressions.split(",")
+    quantizers = (ex.calibrate_quantizers(model, tok, config)
+                  if any(c.startswith("tasq") for c in comps) else {})
+    settings = args.settings.split(",")
+    totals, asked = collections.Counter(), collections.Counter()
+    log_probs = collections.defaultdict(list)
     for ci in range(args.contexts):
         task = tasks.retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
                                     seed=args.seed_offset + ci)
-        length = len(task.context)
+        length, rows = len(task.context), answer_rows(tok, task)
 
-        def score(variant):
-            return ex.score_retrieval(variant, length, task, tok, r.max_new_tokens,
-                                      stops)["correct"]
+        def score(tag, key, variant):
+            correct = ex.score_retrieval(variant, length, task, tok, r.max_new_tokens,
+                                         stops)["correct"]
+            lp = answer_log_probs(variant, length, rows)
+            totals[(tag, key)] += correct
+            asked[(tag, key)] += r.n_facts
+            log_probs[(tag, key)] += lp
+            print(json.dumps({"setting": tag, "ctx": ci, "comp": key, "correct": correct,
+                              "answer_log_probs": [round(x, 2) for x in lp]}), flush=True)
 
-        for name in args.settings.split(","):
+        for name in settings:
             t0 = time.perf_counter()
             probe_over, selection, kwargs = SETTINGS[name]
             probe_cfg = ProbeConfig(**{**config.probes.to_dict(), "seed": config.seed,
-                                       "reply_prefix": reply_prefix,
-                                       **probe_over})
+                                       "reply_prefix": reply_prefix, **probe_over})
             probed = probe_context(model, ex._calibration(task.context), probe_cfg, text)
-            first = name == args.settings.split(",")[0]
+            first = name == settings[0]
             if first:  # the full cache and the unpatched press do not depend on probes
-                correct = score(ex.Variant(model=reference_model(model),
-                                           states=probed.ref_states))
-                totals[("full", "full")] += correct
-                asked[("full", "full")] += r.n_facts
-                print(json.dumps({"setting": "full", "ctx": ci, "correct": correct}), flush=True)
-            for comp in config.compressions:
-                for ratio in budgets:
-                    key = f"{comp}@{ratio}"
-                    m, states = ex.compressed_states(model, comp, ratio, probed)
-                    methods = ["patchkv"] + (["none"] if first else [])
-                    variants = ex.make_variants(m, states, probed, methods,
-                                                ridge_config(selection),
-                                                {"target": config.patch_target, **kwargs})
-                    for meth, v in variants.items():
-                        tag = name if meth == "patchkv" else "none"
-                        correct = score(v)
-                        totals[(tag, key)] += correct
-                        asked[(tag, key)] += r.n_facts
-                        print(json.dumps({"setting": tag, "ctx": ci, "comp": key,
-                                          "correct": correct}), flush=True)
+                score("full", "full", ex.Variant(model=reference_model(model),
+                                                 states=probed.ref_states))
+            for comp in comps:
+                m, states = compressed(model, comp, probed, quantizers)
+                methods = ["patchkv"] + (["none"] if first else [])
+                variants = ex.make_variants(m, states, probed, methods,
+                                            ridge_config(selection),
+                                            {"target": config.patch_target, **kwargs})
+                for meth, v in variants.items():
+                    score(name if meth == "patchkv" else "none", comp, v)
             print(f"# {name} ctx {ci}: {time.perf_counter() - t0:.0f}s", flush=True)
-    keys = sorted({k for (_, k) in totals if k != "full"})
-    print(f"full cache: {totals[('full', 'full')]}/{asked[('full', 'full')]}")
-    print("| setting | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
-    for name in ["none"] + args.settings.split(","):
-        print(f"| {name} | " + " | ".join(f"{totals[(name, k)]}/{asked[(name, k)]}"
-                                          for k in keys) + " |")
+    print(f"full cache: {totals[('full', 'full')]}/{asked[('full', 'full')]}, mean answer "
+          f"log-prob {np.mean(log_probs[('full', 'full')]):.2f}")
+    print("| setting | " + " | ".join(comps) + " |\n|---|" + "---|" * len(comps))
+    for name in ["none"] + settings:
+        print(f"| {name} | " + " | ".join(
+            f"{totals[(name, k)]}/{asked[(name, k)]} ({np.mean(log_probs[(name, k)]):.2f})"
+            for k in comps) + " |")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,11 @@ SETTINGS = {
                         "query_scales": DEV_QUERY_SCALES}),
     "text128rep32_ffn": ({"n_generated": 0, "n_repeat": 32, "n_text": 128}, "holdout",
                          {"strengths": DEV_STRENGTHS, "ffn": True}),
+    # context repeats alone with the W_down patch (retrieval contexts: dev_retrieval)
+    **{f"rep{n}_ffn": ({"n_generated": 0, "n_repeat": n, "n_text": 0}, "holdout",
+                       {"strengths": DEV_STRENGTHS, "ffn": True}) for n in (32, 64, 128)},
+    "rep128l32_ffn": ({"n_generated": 0, "n_repeat": 128, "n_text": 0, "length": 32},
+                      "holdout", {"strengths": DEV_STRENGTHS, "ffn": True}),
     # reply probes (chat contexts: retrieval; dev_retrieval fills in the reply prefix)
     "gen32reply32_wide": ({"n_generated": 32, "n_repeat": 0, "n_reply": 32}, "holdout",
                           {"strengths": DEV_STRENGTHS}),

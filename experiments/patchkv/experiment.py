@@ -433,11 +433,12 @@ def run(config, out_dir=None) -> common.Report:
         f"{full_kv / 1024:.0f} KB; patch_MB is the dense f32 Delta of all patched layers "
         "(it replaces W_o (and W_down) for this context; at this context length it is "
         "larger than the KV it saves).",
+    ] + ([  # continuation contexts only (a retrieval-only run has no perplexities)
         "gap closed (ppl_none - ppl_patch) / (ppl_none - ppl_full): " + ", ".join(
             f"{k}: {v:.0%}" for k, v in closed.items()),
         "gap closed on each continuation context: " + ", ".join(
             f"{k}: {' / '.join(f'{x:.0%}' for x in v)}" for k, v in per_context.items()),
-    ]
+    ] if closed else [])
     return common.Report(
         columns=columns, rows=rows,
         title="PatchKV: ridge weight patches vs KV eviction on SmolLM2-135M-Instruct",

@@ -104,9 +104,10 @@ CELLS = [
         "Here it runs on a reduced config: one 256-token continuation context (4 "
         "continuations of 32 tokens) and one retrieval context with 3 facts, SnapKV and "
         "StreamingLLM at 10 / 25 / 50%, no patch vs PatchKV vs the GRKV-style ridge merge "
-        "vs the Attention-Matching-style value fit, 32 text probe rows, W_o patches only. One "
-        "small context is noisy: the README reports the `small` run (two 512-token "
-        "contexts, 128 probe rows)."),
+        "vs the Attention-Matching-style value fit, 32 text probe rows (the retrieval "
+        "context: 64 context repeats, `cfg.retrieval.probes`), W_o patches only. One small "
+        "context is noisy, and retrieval gains need the W_down patch: the README reports "
+        "the `small` run (two 512-token contexts, W_o + W_down)."),
     new_code_cell(
         "import matplotlib.pyplot as plt\n"
         "from IPython.display import Markdown, display\n"

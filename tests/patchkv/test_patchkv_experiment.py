@@ -115,12 +115,13 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     assert all(math.isfinite(r["ppl"]) for r in rows)
 
 
-def test_chat_probes_add_sampled_replies_after_the_templates_reply_prefix():
+def test_chat_probes_override_the_probe_mix_and_add_the_templates_reply_prefix():
     from research.patchkv.probes import ProbeConfig
     from tests.patchkv.test_patchkv_tasks import CharTokenizer
     config = get_config("small")
     base = ProbeConfig(n_generated=8, length=48)
-    assert ex.chat_probes(base, config, CharTokenizer()).n_reply == 0  # default: off
+    default = ex.chat_probes(base, config, CharTokenizer())  # context repeats, no replies
+    assert (default.n_repeat, default.n_text, default.n_reply) == (64, 0, 0)
     config.retrieval.probes = {"n_generated": 4, "n_reply": 4}
     cfg = ex.chat_probes(base, config, CharTokenizer())
     assert (cfg.n_generated, cfg.n_reply, cfg.length) == (4, 4, 48)
