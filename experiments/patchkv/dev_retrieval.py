@@ -26,7 +26,6 @@ from experiments.patchkv.dev_sweep import SETTINGS, load_small, ridge_config
 from research.patchkv import session, tasks
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.serving.generate import default_stop_tokens
-from research.transforms import calibrate_and_apply
 
 DEFAULT_COMPRESSIONS = ("snapkv@0.1,snapkv@0.25,streaming_llm@0.1,streaming_llm@0.25,"
                         "tasq-1bit")
@@ -57,10 +56,13 @@ def answer_log_probs(variant, length, rows) -> list[float]:
 
 def compressed(model, comp, probed, quantizers):
     """(model, states) of one "<policy>@<ratio>" or quantizer-name compression."""
-    if comp in quantizers:
-        return ex.prefilled(calibrate_and_apply(quantizers[comp], model, None)[0], probed)
-    name, ratio = comp.split("@")
-    return ex.compressed_states(model, name, float(ratio), probed)
+    if "@" in comp:
+        name, ratio = comp.split("@")
+        return ex.compressed_states(model, name, float(ratio), probed)
+    if comp not in quantizers:
+        raise ValueError(f"--compressions: {comp!r} is neither <policy>@<ratio> nor one of "
+                         f"the config's quantizers {sorted(quantizers)}")
+    return ex.quantized_states(model, quantizers[comp], probed)
 
 
 def main(argv=None):
@@ -77,7 +79,7 @@ def main(argv=None):
     text = ex.probe_text(tok, config)
     comps = args.compressions.split(",")
     quantizers = (ex.calibrate_quantizers(model, tok, config)
-                  if any(c.startswith("tasq") for c in comps) else {})
+                  if any("@" not in c for c in comps) else {})
     settings = args.settings.split(",")
     totals, asked = collections.Counter(), collections.Counter()
     log_probs = collections.defaultdict(list)

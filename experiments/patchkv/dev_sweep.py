@@ -29,7 +29,6 @@ from research.patchkv import session, tasks
 from research.patchkv.patch import DEV_QUERY_SCALES, DEV_STRENGTHS
 from research.patchkv.probes import ProbeConfig, probe_context, reference_model
 from research.patchkv.ridge import RidgeConfig
-from research.transforms import calibrate_and_apply
 
 # name -> (probe overrides, ridge selection, fit_patches kwargs)
 SETTINGS = {
@@ -179,8 +178,7 @@ def main(argv=None):
                 if ratio is not None:
                     m, states = ex.compressed_states(model, comp, ratio, probed)
                 else:
-                    m, states = ex.prefilled(
-                        calibrate_and_apply(quantizers[comp], model, None)[0], probed)
+                    m, states = ex.quantized_states(model, quantizers[comp], probed)
                 methods = [selection if baseline else "patchkv"]
                 if ("none", ci, key) not in nll:
                     methods = ["none"] + methods

@@ -109,6 +109,11 @@ def compressed_states(model, name, ratio, probed):
     return prefilled(COMPRESSIONS[name](ratio).apply(model, ()), probed)
 
 
+def quantized_states(model, quantizer, probed):
+    """(model with a calibrated, frozen quantizer's caches, the context's states)."""
+    return prefilled(calibrate_and_apply(quantizer, model, None)[0], probed)
+
+
 def prefilled(compressed, probed):
     _, states = session.prefill_batch(compressed, probed.tokens, probed.lengths,
                                       probed.max_len)
@@ -171,7 +176,7 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
             bar.update(1)
     for name, quantizer in quantizers.items():
         # Value refits (grkv, am) need evicted slots: quantizers get no patch / PatchKV.
-        m, states = prefilled(calibrate_and_apply(quantizer, model, None)[0], probed)
+        m, states = quantized_states(model, quantizer, probed)
         kept = kv_kept_bytes(states)
         budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
         methods = [x for x in config.methods if x in ("none", "patchkv")]
