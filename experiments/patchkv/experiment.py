@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 from experiments import common
 from research import data
 from research.kv.base import state_nbytes
-from research.kv.eviction import evict, trim_states
-from research.kv.eviction_policies import POLICIES
+from research.eviction.press import evict, trim_states
+from research.eviction.policies import POLICIES
 from research.kv.memory import kv_cache_bytes
 from research.model import load
 from research.patchkv import baselines, patch, session, tasks

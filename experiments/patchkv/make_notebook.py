@@ -37,7 +37,7 @@ CELLS = [
         "(`streaming_llm`, `h2o`, `snapkv`, `random`, `knorm`). Later chunks append."),
     new_code_cell(
         "from research.kv.base import state_nbytes\n"
-        "from research.kv.eviction import evict, kept_tokens, trim_states\n"
+        "from research.eviction.press import evict, kept_tokens, trim_states\n"
         "from research.patchkv import session\n"
         "compressed = evict('snapkv', 0.1).apply(model, ())\n"
         "max_len = len(context) + 64\n"

@@ -29,7 +29,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.run_name = f"patchkv_{arg}"
     c.seed = 0
     c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
-    # Compressions: eviction policy names (research.kv.eviction_policies.POLICIES); other
+    # Compressions: eviction policy names (research.eviction.policies.POLICIES); other
     # cache transforms can be registered in experiment.COMPRESSIONS (baselines: n/a).
     c.compressions = (("snapkv", "streaming_llm") if small else
                       ("snapkv", "streaming_llm", "h2o", "random", "knorm"))

@@ -10,7 +10,7 @@ from research.specscale import search as S
 from research.specscale.engine import PagedEngine
 from research.specscale.metrics import paired_bootstrap_diff, wilson_interval
 from research.specscale.verifier import step_auroc
-from research.tasks import ArithmeticChains
+from research.specscale.tasks import ArithmeticChains
 
 COLUMNS = ["method", "accuracy", "acc_95ci", "problems/s", "wall_s", "compile_s",
            "generated_tokens", "tokens_computed", "forward_calls", "verifier_judgements",

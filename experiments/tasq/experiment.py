@@ -15,7 +15,7 @@ from kernels_pallas.vq_attention import vq_decode_attention_reference
 from research import data
 from research.eval.perplexity import perplexity
 from research.kv import memory
-from research.kv.cq import CQKVCache
+from research.tasq.cq import CQKVCache
 from research.kv.dense import DenseKVCache
 from research.model import load
 from research.core.attention import attend

@@ -1,6 +1,6 @@
 """Plain-JAX attention that reads vector-quantised K/V codes directly (the oracle).
 
-Layout shared by the cache codec (research/kv/vq.py), this reference and the Pallas
+Layout shared by the cache codec (research/tasq/vq.py), this reference and the Pallas
 kernel:
 
     codes     uint8 [B, Hkv, G, S]   one code per (token, KV head, channel group); the group

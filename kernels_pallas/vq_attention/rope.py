@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from research.core.pytree import pytree_dataclass
+from flax import struct
 
 
-@pytree_dataclass
+@struct.dataclass
 class KeyRope:
     """Per-KV-head rotation tables in codec channel order, each [Hkv, D]."""
 

@@ -5,14 +5,14 @@ import jax.numpy as jnp
 
 from research.kv.base import KVCache, scatter_tokens, write_positions
 from research.core.attention import attend
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 
 
-@pytree_dataclass
+@struct.dataclass
 class DenseKVCache(KVCache):
     """Stores K and V as they are, cast to `dtype` (f32, bf16, f16)."""
 
-    dtype: str = static_field(default="float32")
+    dtype: str = struct.field(pytree_node=False, default="float32")
 
     def __post_init__(self):
         if jnp.dtype(self.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):

@@ -31,14 +31,14 @@ from jaxtyping import Array, Float, Int
 
 from kernels_pallas.paged_attention.api import paged_decode_attention
 from kernels_pallas.paged_attention.reference import paged_attention_reference
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 from research.core.transform import Transform
 from research.kv.base import KVCache
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
 
-@pytree_dataclass
+@struct.dataclass
 class PagedKVCache(KVCache):
     """Block-table KV cache. `n_blocks=0` sizes the pool for `batch` unshared rows.
 
@@ -49,12 +49,12 @@ class PagedKVCache(KVCache):
     interpret: run the Pallas kernel in interpret mode (CPU); explicit, never guessed.
     """
 
-    block_size: int = static_field(default=16)
-    n_blocks: int = static_field(default=0)
-    dtype: str = static_field(default="float32")
-    implementation: str = static_field(default="xla")
-    backend: str = static_field(default="tpu")
-    interpret: bool = static_field(default=False)
+    block_size: int = struct.field(pytree_node=False, default=16)
+    n_blocks: int = struct.field(pytree_node=False, default=0)
+    dtype: str = struct.field(pytree_node=False, default="float32")
+    implementation: str = struct.field(pytree_node=False, default="xla")
+    backend: str = struct.field(pytree_node=False, default="tpu")
+    interpret: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         if self.block_size < 1:

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, UInt8
 
 from research.kv.base import KVCache, scatter_tokens, write_positions
 from research.core.attention import attend
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 
 SCALE_DTYPE = jnp.float16
 
@@ -72,11 +72,11 @@ def quantize_int8(x: Float[Array, "B T H D"]):
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
-@pytree_dataclass
+@struct.dataclass
 class Int8KVCache(KVCache):
     """K and V as int8 per (token, KV head) with a float16 scale each; dense dequantise on read."""
 
-    label: str = static_field(default="int8")
+    label: str = struct.field(pytree_node=False, default="int8")
 
     def init(self, batch, max_len, n_kv_heads, head_dim):
         codes = (batch, max_len, n_kv_heads, head_dim)

@@ -5,15 +5,15 @@ import jax.numpy as jnp
 
 from research.kv.base import KVCache, scatter_tokens
 from research.core.attention import attend
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 
 
-@pytree_dataclass
+@struct.dataclass
 class WindowKVCache(KVCache):
     """Keeps the last `window` tokens of each sequence in a ring of `window` slots."""
 
-    window: int = static_field()
-    dtype: str = static_field(default="float32")
+    window: int = struct.field(pytree_node=False)
+    dtype: str = struct.field(pytree_node=False, default="float32")
 
     def __post_init__(self):
         if self.window < 1:

@@ -29,16 +29,16 @@ from research.kv.window import WindowKVCache
 from research.core import attention
 from research.model import layers
 from research.model.config import ModelConfig
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 
 
-@pytree_dataclass
+@struct.dataclass
 class Model:
-    config: ModelConfig = static_field()
+    config: ModelConfig = struct.field(pytree_node=False)
     params: Any
     caches: tuple  # one KVCache per layer
     # Free-form static tags transforms may leave (e.g. "tasq"), for reporting only.
-    tags: tuple = static_field(default=())
+    tags: tuple = struct.field(pytree_node=False, default=())
 
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.optimize import nnls
 
-from research.kv.eviction import is_evicting
+from research.eviction.press import is_evicting
 from research.model.llama import Model
 from research.patchkv import ridge
 from research.patchkv.probes import ProbedContext

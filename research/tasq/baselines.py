@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from research.kv.cq import CQKVCache
-from research.kv.kivi import KIVIKVCache
+from research.tasq.cq import CQKVCache
+from research.tasq.kivi import KIVIKVCache
 from research.kv.quantized import Int8KVCache
-from research.kv.sign import SignKVCache, gaussian_projection
+from research.tasq.sign import SignKVCache, gaussian_projection
 from research.model.llama import Model
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 from research.tasq.config import CODE_BITS
 from research.tasq.fingerprint import check_fingerprint, model_fingerprint
 from research.tasq.kmeans import kmeans
@@ -61,11 +61,11 @@ def sign_kv(seed: int = 0) -> Transform:
     return Transform(lambda model, data: (), apply, "sign(1b)")
 
 
-@pytree_dataclass
+@struct.dataclass
 class CQState:
     key_codebook: Array    # [L, Hkv, G, K, g] over pre-RoPE keys
     value_codebook: Array  # [L, Hkv, G, K, g]
-    fingerprint: str = static_field()
+    fingerprint: str = struct.field(pytree_node=False)
 
 
 def cq_style(bits: int = 1, kmeans_iters: int = 12, max_points: int = 4096,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from research.kv.vq import nearest
+from research.tasq.vq import nearest
 
 
 def _sq_dist(x: Float[Array, "N g"], c: Float[Array, "K g"], a: Float[Array, "g"]) -> Array:

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from research.kv.cq import CQKVCache
-from research.kv.vq import VQKVCache
+from research.tasq.cq import CQKVCache
+from research.tasq.vq import VQKVCache
 from research.model.llama import Model
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 from research.tasq import grouping
 from research.tasq.config import TaSQConfig
 from research.tasq.fingerprint import check_fingerprint, model_fingerprint
@@ -32,7 +32,7 @@ from research.tasq.stats import LayerStats, collect
 from research.transforms import CalibrationData, Transform
 
 
-@pytree_dataclass
+@struct.dataclass
 class TaSQState:
     """Calibration artifacts (arrays stacked over layers) and the model they belong to."""
 
@@ -42,8 +42,8 @@ class TaSQState:
     value_perm: Array      # [L, Hkv, D]
     key_codebook: Array    # [L, Hc, G, K, g]
     value_codebook: Array  # [L, Hc, G, K, g]
-    fingerprint: str = static_field()
-    config: TaSQConfig = static_field()
+    fingerprint: str = struct.field(pytree_node=False)
+    config: TaSQConfig = struct.field(pytree_node=False)
 
 
 # -- scales ---------------------------------------------------------------------------------

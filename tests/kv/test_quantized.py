@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 from research.kv.base import state_nbytes
-from research.kv.cq import CQKVCache
+from research.tasq.cq import CQKVCache
 from research.kv.dense import DenseKVCache
-from research.kv.kivi import KIVIKVCache
+from research.tasq.kivi import KIVIKVCache
 from research.kv.quantized import (Int8KVCache, dequantize_uniform, pack_bits,
                                    quantize_uniform, unpack_bits)
-from research.kv.sign import SignKVCache, gaussian_projection
-from research.kv.vq import permute_channels
+from research.tasq.sign import SignKVCache, gaussian_projection
+from research.tasq.vq import permute_channels
 from research.core.rope import apply_rope
 
 B, HQ, HKV, D = 2, 4, 2, 16

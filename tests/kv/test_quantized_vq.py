@@ -8,7 +8,7 @@ import pytest
 from kernels_pallas.vq_attention.reference import dequantize
 from research.kv.base import state_nbytes
 from research.kv.dense import DenseKVCache
-from research.kv.vq import VQKVCache, encode, inverse_permutation, permute_channels
+from research.tasq.vq import VQKVCache, encode, inverse_permutation, permute_channels
 
 B, HQ, HKV, D, G, K = 2, 4, 2, 16, 2, 32
 

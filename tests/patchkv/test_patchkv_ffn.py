@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from research.kv.eviction import evict
+from research.eviction.press import evict
 from research.model import init_params, make_model, tiny_config
 from research.model.config import MoEConfig
 from research.patchkv import layerwise, patch, session

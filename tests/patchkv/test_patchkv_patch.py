@@ -10,13 +10,13 @@ import pytest
 
 from research.kv.base import KVCache, scatter_tokens, write_positions
 from research.kv.dense import DenseKVCache
-from research.kv.eviction import evict
+from research.eviction.press import evict
 from research.model import forward, init_params, make_model, tiny_config
 from research.core.attention import attend
 from research.patchkv import baselines, patch, session
 from research.patchkv.probes import ProbeConfig, probe_context
 from research.patchkv.ridge import RidgeConfig
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 from research.transforms import CalibrationData, Transform, calibrate_and_apply, chain
 
 PROBES = ProbeConfig(n_generated=4, n_repeat=4, length=16, seed=0)
@@ -63,12 +63,12 @@ def _attention_error(model, compressed, patched, context, queries):
     return session.attention_error(a, full), session.attention_error(b, full)
 
 
-@pytree_dataclass
+@struct.dataclass
 class RoundingKVCache(KVCache):
     """Test-only quantized codec: K and V rounded per token and head to `levels` uniform
     levels of their absmax (dense layout). Stands in for a real quantizer (e.g. TaSQ)."""
 
-    levels: int = static_field(default=3)
+    levels: int = struct.field(pytree_node=False, default=3)
 
     def init(self, batch, max_len, n_kv_heads, head_dim):
         shape = (batch, max_len, n_kv_heads, head_dim)
@@ -96,14 +96,14 @@ class RoundingKVCache(KVCache):
         return out, state
 
 
-@pytree_dataclass
+@struct.dataclass
 class ShrunkKeysKVCache(RoundingKVCache):
     """Test-only codec that stores keys times `key_scale` and values exactly: every logit
     over the cache is scaled by key_scale, a flattening a W_q scale of 1 / key_scale
     undoes (exactly in layer 0; above it the context's cache is what the unpatched model
     prefilled)."""
 
-    key_scale: float = static_field(default=0.8)
+    key_scale: float = struct.field(pytree_node=False, default=0.8)
 
     def code_keys(self, k):
         return k * self.key_scale

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from research import data
-from research.kv.eviction import evict
+from research.eviction.press import evict
 from research.patchkv import patch, session, tasks
 from research.patchkv.probes import ProbeConfig
 from research.transforms import CalibrationData, calibrate_and_apply, chain

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from research.kv.vq import VQKVCache
+from research.tasq.vq import VQKVCache
 from research.model import init_params, make_model, tiny_config
 from research.patchkv import patch, session
 from research.patchkv.probes import ProbeConfig

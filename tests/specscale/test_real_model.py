@@ -4,7 +4,7 @@ import pytest
 from research.serving.generate import generate
 from research.specscale import search as S
 from research.specscale.engine import PagedEngine
-from research.tasks import ArithmeticChains
+from research.specscale.tasks import ArithmeticChains
 
 
 # slow: real 135M model; ~1-2 minutes of compiles and forwards on CPU

@@ -6,7 +6,7 @@ import pytest
 
 from research.specscale import search as S
 from research.specscale.engine import PagedEngine, child_key
-from research.tasks import ArithmeticChains
+from research.specscale.tasks import ArithmeticChains
 
 TASK = ArithmeticChains(n_shots=1, verifier_shots=2)
 LIMITS = dict(max_lines=3, max_line_tokens=5)

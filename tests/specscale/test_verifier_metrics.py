@@ -9,7 +9,7 @@ from research.model import forward
 from research.specscale.engine import PagedEngine
 from research.specscale.metrics import paired_bootstrap_diff, wilson_interval
 from research.specscale.verifier import LikelihoodVerifier, step_auroc
-from research.tasks import ArithmeticChains
+from research.specscale.tasks import ArithmeticChains
 
 
 def test_line_scores_are_mean_log_likelihoods(char_model, char_tokenizer):

@@ -29,8 +29,8 @@ def test_time_decode_reports_every_code_reader():
     import jax.numpy as jnp
     import numpy as np
     from experiments.tasq.experiment import TIMED, time_decode
-    from research.kv.cq import CQKVCache
-    from research.kv.vq import VQKVCache
+    from research.tasq.cq import CQKVCache
+    from research.tasq.vq import VQKVCache
     from research.model import tiny_config
     c = tiny_config()
     rng = np.random.default_rng(0)

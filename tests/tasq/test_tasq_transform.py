@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from research.eval.perplexity import perplexity
-from research.kv.vq import VQKVCache
+from research.tasq.vq import VQKVCache
 from research.serving.generate import generate
 from research.model import forward, init_params, make_model, tiny_config
 from research.tasq import TaSQConfig, plain_vq, tasq
@@ -84,7 +84,7 @@ def test_tasq_beats_plain_vq_on_attention_error_with_query_weighting(model16, ca
 def test_pre_rope_key_space_codes_unrotated_keys(model16, calib):
     """key_space='pre_rope': same ingredients, keys coded before RoPE and rotated on read;
     1 bit per channel and finite, bounded attention error."""
-    from research.kv.cq import CQKVCache
+    from research.tasq.cq import CQKVCache
     cfg = dataclasses.replace(CFG, key_space="pre_rope")
     m, st = calibrate_and_apply(tasq(cfg), model16, calib)
     assert all(isinstance(c, CQKVCache) and c.key_perm is not None for c in m.caches)

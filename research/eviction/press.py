@@ -4,7 +4,7 @@
 (`start == 0`, more than one token) is that sequence's *context*: it attends to itself in
 full (exact prefill, as in SnapKV/H2O-style "prefill then compress" presses), then only
 `budget = ceil(ratio * n_context)` of its tokens per KV head are stored, chosen by the
-policy (`research.kv.eviction_policies`). Every later chunk (decode steps, a question, a
+policy (`research.eviction.policies`). Every later chunk (decode steps, a question, a
 continuation scored by teacher forcing) is appended in full and attends to the kept
 context plus itself. So an evicting cache changes what *later* chunks see; a perplexity
 computed inside the prefill chunk (`research.eval.perplexity`) is unchanged by design.
@@ -31,10 +31,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from research.core.attention import gqa_scores, masked_softmax_weights
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 from research.kv.base import KVCache
 from research.kv.dense import DenseKVCache
-from research.kv.eviction_policies import ScoreInputs, make_policy
+from research.eviction.policies import ScoreInputs, make_policy
 from research.kv.window import WindowKVCache
 from research.core.transform import Transform
 
@@ -82,15 +82,15 @@ def _scatter_heads(buf: Array, slots: Int[Array, "B T H"], values: Array) -> Arr
     return buf.at[bi, slots, hi].set(values.astype(buf.dtype), mode="drop")
 
 
-@pytree_dataclass
+@struct.dataclass
 class EvictingKVCache(KVCache):
     """Keeps `ratio` of each sequence's context per KV head, chosen by `policy`."""
 
-    policy: object = static_field()
+    policy: object = struct.field(pytree_node=False)
     # A leaf, not a hyper-parameter: every budget (and every layer's salt, which seeds the
     # random policy) shares one compiled program.
     ratio: float = 0.25
-    dtype: str = static_field(default="float32")
+    dtype: str = struct.field(pytree_node=False, default="float32")
     salt: Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
 
     def __post_init__(self):
@@ -159,7 +159,7 @@ def evict(policy="snapkv", ratio: float = 0.25, *, layer_ratios: Sequence[float]
           **policy_options) -> Transform:
     """Transform: every dense-cache layer keeps `ratio` of the context's KV per head.
 
-    policy: a name in `research.kv.eviction_policies.POLICIES` ("streaming_llm", "h2o",
+    policy: a name in `research.eviction.policies.POLICIES` ("streaming_llm", "h2o",
       "snapkv", "random", "knorm") with `policy_options`, or a policy object.
     layer_ratios: optional per-layer ratios (a pyramid or other schedule) instead of one
       `ratio`; one entry per layer. Sliding-window layers keep their ring cache (their

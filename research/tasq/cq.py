@@ -28,25 +28,25 @@ from kernels_pallas.vq_attention.reference import (vq_attention_blockwise,
                                                    vq_decode_attention_pre_rope)
 from kernels_pallas.vq_attention.rope import KeyRope
 from research.core.attention import attention_mask
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 from research.core.rope import apply_rope
 from research.kv.base import KVCache, write_positions
-from research.kv.vq import (IMPLEMENTATIONS, check_kv_finite, encode, inverse_permutation,
+from research.tasq.vq import (IMPLEMENTATIONS, check_kv_finite, encode, inverse_permutation,
                             permute_channels, scatter_codes)
 
 
-@pytree_dataclass
+@struct.dataclass
 class CQKVCache(KVCache):
     key_codebook: Array    # [Hkv, G, K, g] over pre-RoPE keys
     value_codebook: Array  # [Hkv, G, K, g]
-    rope_theta: float = static_field(default=10000.0)
+    rope_theta: float = struct.field(pytree_node=False, default=10000.0)
     key_perm: Array | None = None    # [Hkv, D] int32: channel order of the key groups
     value_perm: Array | None = None  # [Hkv, D]
-    label: str = static_field(default="cq")
-    check_finite: bool = static_field(default=False)  # as VQKVCache: raise inside jit too
-    implementation: str = static_field(default="xla")  # "pallas": the kernel for decode steps
-    interpret: bool = static_field(default=False)
-    block: int = static_field(default=512)  # keys rebuilt per step of the XLA readers
+    label: str = struct.field(pytree_node=False, default="cq")
+    check_finite: bool = struct.field(pytree_node=False, default=False)  # as VQKVCache: raise inside jit too
+    implementation: str = struct.field(pytree_node=False, default="xla")  # "pallas": the kernel for decode steps
+    interpret: bool = struct.field(pytree_node=False, default=False)
+    block: int = struct.field(pytree_node=False, default=512)  # keys rebuilt per step of the XLA readers
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:

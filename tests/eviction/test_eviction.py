@@ -10,8 +10,8 @@ import pytest
 from research.kv import eviction
 from research.kv.base import KVCache
 from research.kv.dense import DenseKVCache
-from research.kv.eviction import EvictingKVCache, evict, kept_tokens, trim_states
-from research.kv.eviction_policies import H2O, KeyNorm, SnapKV, StreamingLLM, make_policy
+from research.eviction.press import EvictingKVCache, evict, kept_tokens, trim_states
+from research.eviction.policies import H2O, KeyNorm, SnapKV, StreamingLLM, make_policy
 from research.kv.window import WindowKVCache
 from research.model import forward, init_params, make_model, tiny_config
 from research.core.attention import attend

@@ -21,16 +21,16 @@ from research.kv.base import KVCache, scatter_tokens, write_positions
 from research.kv.quantized import (dequantize_uniform, pack_bits, quantize_uniform,
                                    unpack_bits)
 from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 
 
-@pytree_dataclass
+@struct.dataclass
 class KIVIKVCache(KVCache):
-    bits: int = static_field(default=2)
-    key_group: int = static_field(default=32)
-    value_group: int = static_field(default=32)
-    residual: int = static_field(default=128)
-    residual_dtype: str = static_field(default="bfloat16")
+    bits: int = struct.field(pytree_node=False, default=2)
+    key_group: int = struct.field(pytree_node=False, default=32)
+    value_group: int = struct.field(pytree_node=False, default=32)
+    residual: int = struct.field(pytree_node=False, default=128)
+    residual_dtype: str = struct.field(pytree_node=False, default="bfloat16")
 
     def __post_init__(self):
         if self.bits not in (1, 2, 4):

@@ -20,7 +20,7 @@ from jaxtyping import Array
 from research.kv.base import KVCache, scatter_tokens, write_positions
 from research.kv.quantized import SCALE_DTYPE, pack_bits, unpack_bits
 from research.core.attention import attention_mask, masked_softmax_weights
-from research.core.pytree import pytree_dataclass
+from flax import struct
 
 
 def gaussian_projection(key: jax.Array, n_kv_heads: int, head_dim: int,
@@ -37,7 +37,7 @@ def _signs(x: Array) -> Array:
     return (x >= 0).astype(jnp.uint8)
 
 
-@pytree_dataclass
+@struct.dataclass
 class SignKVCache(KVCache):
     projection: Array  # [Hkv, D, m]
 

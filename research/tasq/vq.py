@@ -26,7 +26,7 @@ from kernels_pallas.vq_attention.api import validate_codes_and_codebooks, vq_dec
 from kernels_pallas.vq_attention.reference import vq_attention_blockwise, vq_attention_reference
 from research.kv.base import KVCache, write_positions
 from research.core.attention import attention_mask
-from research.core.pytree import pytree_dataclass, static_field
+from flax import struct
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
@@ -106,7 +106,7 @@ def check_kv_finite(k, v, where: str, in_jit_check: bool) -> Array:
     return bad_k | bad_v
 
 
-@pytree_dataclass
+@struct.dataclass
 class VQKVCache(KVCache):
     """Keys and values as uint8 VQ codes [B, Hkv, G, S]; see the module docstring.
 
@@ -121,10 +121,10 @@ class VQKVCache(KVCache):
     value_codebook: Array
     key_perm: Array
     value_perm: Array
-    implementation: str = static_field(default="xla")
-    interpret: bool = static_field(default=False)
-    check_finite: bool = static_field(default=False)
-    label: str = static_field(default="vq")
+    implementation: str = struct.field(pytree_node=False, default="xla")
+    interpret: bool = struct.field(pytree_node=False, default=False)
+    check_finite: bool = struct.field(pytree_node=False, default=False)
+    label: str = struct.field(pytree_node=False, default="vq")
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:

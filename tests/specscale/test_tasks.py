@@ -1,7 +1,7 @@
 """Arithmetic-chain task suite: seeded, checkable, step-structured."""
 import pytest
 
-from research.tasks import ArithmeticChains, Problem
+from research.specscale.tasks import ArithmeticChains, Problem
 
 
 def test_problems_are_seeded_and_valid():
