@@ -12,30 +12,25 @@ that compensates what quantization lost.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax.numpy as jnp
 
 from research.core.transform import (CalibrationData, State, Transform,  # noqa: F401
                                      calibrate_and_apply, chain, frozen,
                                      identity)
-from research.kv.dense import DenseKVCache
-from research.kv.window import WindowKVCache
+from research.kv.codec import FloatCodec
+from research.kv.layouts import replace_codecs
 from research.model.llama import Model
 
 
 def kv_cache_dtype(dtype: str = "bfloat16") -> Transform:
-    """Store the KV cache of every dense / window layer in `dtype` (no calibration)."""
-    DenseKVCache(dtype=dtype)  # validates the dtype now, not at first use
+    """Store every layer's K/V as floats of `dtype`, in whatever layout it has (no
+    calibration). Refuses to discard another transform's codec."""
+    codec = FloatCodec(dtype)  # validates the dtype now, not at first use
 
     def apply(model: Model, state) -> Model:
-        caches = []
-        for i, cache in enumerate(model.caches):
-            if not isinstance(cache, (DenseKVCache, WindowKVCache)):
-                raise TypeError(f"kv_cache_dtype: layer {i} has a {cache.describe()} cache; "
-                                "it applies to dense and window caches only")
-            caches.append(dataclasses.replace(cache, dtype=dtype))
-        return model.replace(caches=tuple(caches), tags=model.tags + (f"kv-{dtype}",))
+        return replace_codecs(model, lambda i: codec, f"kv_cache_dtype({dtype})",
+                              f"kv-{dtype}", replace_any_float=True)
 
     return Transform(lambda model, data: (), apply, f"kv_cache_dtype({dtype})")
 
