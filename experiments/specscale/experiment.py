@@ -5,7 +5,10 @@ import jax
 import numpy as np
 
 from experiments import common
+from research import data
 from research.model import load
+from research.tasq import TaSQConfig, tasq
+from research.transforms import CalibrationData, calibrate_and_apply, kv_cache_dtype
 from research.specscale import search as S
 from research.specscale.engine import PagedEngine
 from research.specscale.metrics import paired_bootstrap_diff, wilson_interval
@@ -82,14 +85,17 @@ def run(config, out_dir=None) -> common.Report:
     spec = results[S.specscale(config.beam.beam_width, config.beam.expand).label]
     memory = memory_runs(model, tok, task, problems[:config.memory_problems], config,
                          beam.config, spec.config)
+    codec_rows = codec_memory_runs(model, tok, task, problems[:config.memory_problems],
+                                   config, spec.config)
     auroc, n_steps = verifier_auroc(task, problems, beam.judged)
     claims, notes = make_claims(config, results, beam, spec, memory, auroc, n_steps)
+    notes.append(codec_note(codec_rows))
     return common.Report(
         columns=COLUMNS, rows=rows,
         title="SpecScale on SmolLM2-135M-Instruct: arithmetic chains "
               f"({config.n_problems} problems, seed {config.seed})",
         claims=claims, notes=notes, plot=lambda fig: plot(fig, rows),
-        extra={"memory": memory, "verifier_step_auroc": auroc,
+        extra={"memory": memory, "kv_codecs": codec_rows, "verifier_step_auroc": auroc,
                "verifier_steps_labelled": n_steps,
                "stats": {k: r.stats for k, r in results.items()},
                "answers": {k: [dict(uid=p.uid, answer=p.answer, predicted=p.predicted,
@@ -136,6 +142,54 @@ def memory_runs(model, tok, task, group, config, beam_cfg, spec_cfg) -> list[dic
         ctx.close()
         del ctx, engine
     return rows
+
+
+def codec_model(model, tok, name: str, config):
+    """The model with KV codec `name`: "float32", "bfloat16" or "tasq-1bit"."""
+    if name in ("float32", "bfloat16"):
+        return model if name == "float32" else \
+            calibrate_and_apply(kv_cache_dtype(name), model, None)[0]
+    if name != "tasq-1bit":
+        raise ValueError(f"kv_codecs: unknown codec {name!r}; expected float32, bfloat16 or "
+                         "tasq-1bit")
+    t = config.tasq
+    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), t.seq_len,
+                                   t.n_seqs)
+    cfg = TaSQConfig(bits=1, kmeans_iters=t.kmeans_iters, max_points=t.max_points,
+                     seed=config.seed)
+    return calibrate_and_apply(tasq(cfg), model, cal)[0]
+
+
+def codec_memory_runs(model, tok, task, group, config, spec_cfg) -> list[dict]:
+    """SpecScale over the same paged pool with each KV codec's records in the pages."""
+    e = config.engine
+    rows = []
+    for name in config.kv_codecs:
+        engine = PagedEngine(codec_model(model, tok, name, config), n_blocks=e.n_blocks,
+                             block_size=e.block_size, max_len=e.max_len,
+                             temperature=e.temperature)
+        ctx = S.SearchContext(engine, tok, task)
+        res = S.run_search(ctx, group, spec_cfg, seed=config.seed, group_size=len(group),
+                           progress=True)
+        rows.append({"kv_codec": name, "cache": engine.model.caches[0].describe(),
+                     "problems": len(group), "accuracy": res.accuracy,
+                     "block_bytes": engine.block_bytes,
+                     "peak_kv_blocks": res.stats["peak_kv_blocks"],
+                     "peak_kv_MiB": res.stats["peak_kv_bytes"] / 2**20})
+        ctx.close()
+        del ctx, engine
+    return rows
+
+
+def codec_note(rows: list[dict]) -> str:
+    """One line: SpecScale's peak KV bytes with each codec's records in the pages."""
+    base = rows[0]["peak_kv_MiB"]
+    parts = [f"{r['kv_codec']} ({r['cache']}): {r['peak_kv_MiB']:.2f} MiB peak "
+             f"({r['peak_kv_blocks']} blocks x {r['block_bytes']} B, "
+             f"{base / max(r['peak_kv_MiB'], 1e-12):.1f}x less than {rows[0]['kv_codec']}), "
+             f"accuracy {r['accuracy']:.3f}" for r in rows]
+    return (f"SpecScale on the first {rows[0]['problems']} problems with each KV codec in "
+            "the pages of one pool: " + "; ".join(parts))
 
 
 def make_claims(config, results, beam, spec, memory, auroc, n_steps):

@@ -75,7 +75,7 @@ def covariance_grouping(cov: np.ndarray, group_size: int, units: list[tuple[int,
     keep = ga < gb
     ga, gb, ia, ib = ga[keep], gb[keep], ia[keep], ib[keep]
     rows = np.arange(len(ga))
-    for _ in range(max_sweeps):
+    for _ in range(max_sweeps if n_groups > 1 else 0):  # one group: nothing to swap
         costs = _group_costs(cov, unit_ch[members].reshape(n_groups, group_size))
         new_a, new_b = members[ga].copy(), members[gb].copy()
         new_a[rows, ia], new_b[rows, ib] = members[gb, ib], members[ga, ia]

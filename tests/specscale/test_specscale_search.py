@@ -165,3 +165,32 @@ def test_dedup_alone_makes_beam_search_decisions_at_less_cost(char_model, char_t
         assert dedup.stats[key] <= beam.stats[key], key
     ctx.close()
     assert engine.blocks_in_use == 0
+
+
+def test_specscale_serves_a_tasq_1bit_model_from_pages_of_codes(char_model, char_tokenizer,
+                                                                problems):
+    """TaSQ's 1-bit codes live in the engine's pages (shared prefixes, COW forks): the
+    search runs, greedy decoding equals the dense-layout TaSQ model, and a block costs
+    the codes' bytes, not f32 K/V's."""
+    from research.serving.generate import generate
+    from research.tasq import TaSQConfig, tasq
+    from research.transforms import CalibrationData, calibrate_and_apply
+    rng = np.random.default_rng(0)
+    cal = CalibrationData.from_ids(rng.integers(32, 127, 256), 64, 4)
+    cfg = TaSQConfig(bits=1, kmeans_iters=2, max_points=256)
+    model, _ = calibrate_and_apply(tasq(cfg), char_model, cal)
+    f32 = PagedEngine(char_model, n_blocks=400, block_size=8, max_len=512)
+    eng = PagedEngine(model, n_blocks=400, block_size=8, max_len=512, temperature=0.0)
+    assert all(c.describe().startswith("paged8[tasq[1b/ch") for c in eng.model.caches)
+    assert all(p["k_codes"].dtype == np.uint8 for p in eng.pools)
+    assert eng.block_bytes * 32 == f32.block_bytes  # 1 byte per 8 channels vs 4 bytes each
+    prompt = [ord(c) for c in "12+3=15\n"]
+    want = generate(model, [prompt], max_new_tokens=6).tokens[0]
+    seq = eng.new_sequence(prompt)
+    eng.prefill([seq])
+    kid = eng.fork(seq)  # shares the codes' blocks
+    assert [int(eng.sample([kid])[0][0]) for _ in range(6)] == want
+    eng.free(kid)
+    eng.free(seq)
+    eng.temperature = 1.0
+    _run(S.SearchContext(eng, char_tokenizer, TASK), problems, S.specscale(2, 2, **LIMITS))

@@ -91,3 +91,11 @@ def test_grouping_bad_sizes():
         covariance_grouping(np.eye(16), 3, rope_pair_units(16))
     with pytest.raises(ValueError, match="group_size"):
         covariance_grouping(np.eye(16), 5, channel_units(16))
+
+
+def test_grouping_with_a_single_group_is_the_sorted_channels():
+    """group_size == head_dim (1 bit/channel at head_dim 8): one group, nothing to swap."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8))
+    perm = covariance_grouping(np.cov(x, rowvar=False), 8, rope_pair_units(8))
+    np.testing.assert_array_equal(perm, np.arange(8))
