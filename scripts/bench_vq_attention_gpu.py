@@ -1,128 +1,151 @@
-r"""Benchmark the Pallas VQ decode-attention kernel against the bf16 attention path on a GPU.
+r"""Benchmark the Pallas VQ decode-attention kernel against bf16 attention on a GPU.
 
-    python scripts/bench_vq_attention_gpu.py [--contexts 4096,16384,32768] [--batches 1,8,32]
+    python scripts/bench_vq_attention_gpu.py [--shapes smollm2_layer,llama31_8b_layer]
+        [--batches 1,8,32] [--contexts 4096,32768] [--out vq.json]
+    python scripts/bench_vq_attention_gpu.py --dry-run   # CPU: tiny sizes, bookkeeping only
 
-Needs a CUDA device (jaxlib with CUDA). For each (batch, context), in one process, after
-warm-up, medians of `--repeats` runs:
-  bf16:   the core masked GQA attention over dense bf16 K/V (XLA), SmolLM2 layer shapes;
-  pallas: kernels_pallas.vq_attention with the Triton backend over 1-bit uint8 codes;
-  pallas-fast: the same with precision="default" (TF32 tensor-core dots);
-  xla-vq: the plain-JAX reference (LUT gathers + segment sums) on the same codes;
-  pallas-pre: the kernel over pre-RoPE codes (TaSQ key_space="pre_rope": keys rebuilt per
-          block, rotated at their positions through the query terms).
-It first checks the kernel against the reference on the device. Prints a markdown table and
-writes --out (JSON) if given.
-
-The expectation written before any GPU run (one-hot matmuls, ~32x the FLOPs of dense
-attention, compute-bound) met a kernel that did not compile there at all (shared memory);
-the Triton body now dequantizes blocks in registers instead. Measured on an H200:
-docs/gpu_h200_2026-11-30.md (`scripts/gpu_check.py` runs this bench among its sections).
+Needs a CUDA device (jaxlib with CUDA) unless --dry-run. For each named layer shape, batch
+and context, in one process, after warm-up, medians of `--repeats` runs of
+  bf16:    the core masked GQA attention over dense bf16 K/V (XLA);
+  kernel:  kernels_pallas.vq_attention, implementation="pallas" (the platform's kernel:
+           Triton on CUDA) over 1-bit uint8 codes (token-major [B, S, Hkv, G], groups of 8
+           channels, 256 centroids);
+  xla_vq:  the plain-JAX reference on the same codes (small cases only: it is slow).
+Each kernel is checked against the reference on the device first (max_abs_err). Reported:
+times, bf16_ms / kernel_ms (> 1: the kernel is faster) and each path's fraction of the H200
+HBM roofline (bytes it must read / 4.8 TB/s over its time; bytes counted from the arrays).
+--dry-run runs the same bookkeeping on the CPU with tiny contexts and the XLA paths only
+(implementation "auto" is XLA there), so the script is tested without a GPU.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import time_fn
-from kernels_pallas.vq_attention import BlockSizes, KeyRope, vq_decode_attention
+from kernels_pallas.vq_attention import vq_decode_attention
 from research.core.attention import attend
 
-HQ, HKV, D, G, K = 9, 3, 64, 8, 256  # SmolLM2-135M layer, 1 bit per channel
+HBM_BYTES_PER_S = 4.8e12  # H200
+# name: (query heads, KV heads, head dim); codes: 1 bit per channel = 8-channel groups
+SHAPES = {"smollm2_layer": (9, 3, 64), "llama31_8b_layer": (32, 8, 128)}
+GROUP, CENTROIDS = 8, 256
+BATCHES, CONTEXTS = (1, 8, 32), (4096, 32768)
+DRY = dict(batches=(2,), contexts=(40,))  # ragged rows, a length not a power of two
 
 
-def _median_ms(fn, warmup: int, repeats: int) -> float:
-    return time_fn(fn, warmup=warmup, repeats=repeats)["median_s"] * 1e3
-
-
-def _dense(q, k, v, lengths):
+def dense_attention(q, k, v, lengths):
+    """One decode query per row over dense K/V [B, S, Hkv, D] (the XLA baseline)."""
     b, s = k.shape[:2]
     kv_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
     return attend(q[:, None], k, v, (lengths - 1)[:, None], kv_pos,
                   kv_pos < lengths[:, None])[:, 0]
 
 
-def coded_inputs(rng, batch: int, context: int) -> tuple:
-    """(q, k_codes, v_codes, k_codebook, v_codebook, lengths) of one SmolLM2 layer at 1 bit
-    per channel, every row `context` tokens long."""
-    q = jnp.asarray(rng.normal(size=(batch, HQ, D)), jnp.float32)
-    kc, vc = (jnp.asarray(rng.integers(0, K, (batch, HKV, G, context)), jnp.uint8)
-              for _ in range(2))
-    kcb, vcb = (jnp.asarray(rng.normal(size=(HKV, G, K, D // G)), jnp.float32)
-                for _ in range(2))
-    return q, kc, vc, kcb, vcb, jnp.full((batch,), context, jnp.int32)
+def coded_inputs(rng, shape: str, batch: int, context: int) -> dict:
+    """Fresh random codes and codebooks of one layer; rows of ragged lengths (the first
+    full, the others uniform in [context/2, context])."""
+    hq, hkv, d = SHAPES[shape]
+    g = d // GROUP
+    lengths = rng.integers(context // 2, context + 1, (batch,)).astype(np.int32)
+    lengths[0] = context
+    codes = lambda: jnp.asarray(rng.integers(0, CENTROIDS, (batch, context, hkv, g)),  # noqa
+                                jnp.uint8)
+    book = lambda: jnp.asarray(rng.normal(size=(hkv, g, CENTROIDS, GROUP)), jnp.float32)  # noqa
+    return dict(q=jnp.asarray(rng.normal(size=(batch, hq, d)), jnp.bfloat16),
+                k_codes=codes(), v_codes=codes(), k_codebook=book(), v_codebook=book(),
+                lengths=jnp.asarray(lengths))
 
 
-def bench(batch: int, context: int, block_sizes: BlockSizes, warmup: int, repeats: int,
-          seed: int = 0) -> dict:
+def nbytes(*arrays) -> int:
+    return int(sum(a.nbytes for a in arrays))
+
+
+def roofline_fraction(n_bytes: int, ms: float) -> float:
+    return n_bytes / HBM_BYTES_PER_S / (ms * 1e-3)
+
+
+def bench_case(shape: str, batch: int, context: int, *, warmup: int, repeats: int,
+               dry_run: bool, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    q, kc, vc, kcb, vcb, lengths = coded_inputs(rng, batch, context)
-    k = jnp.asarray(rng.normal(size=(batch, context, HKV, D)), jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=(batch, context, HKV, D)), jnp.bfloat16)
-    dense = jax.jit(_dense)
-    pallas = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
-        q, kc, vc, kcb, vcb, n, implementation="pallas", backend="triton",
-        block_sizes=block_sizes))
-    fast_blocks = dataclasses.replace(block_sizes, precision="default")
-    pallas_fast = jax.jit(lambda q, kc, vc, n: vq_decode_attention(
-        q, kc, vc, kcb, vcb, n, implementation="pallas", backend="triton",
-        block_sizes=fast_blocks))
-    xla = jax.jit(lambda q, kc, vc, n: vq_decode_attention(q, kc, vc, kcb, vcb, n))
-    rope = KeyRope.from_permutation(np.stack([rng.permutation(D) for _ in range(HKV)]),
-                                    10000.0)
-    pre = {impl: jax.jit(lambda q, kc, vc, n, impl=impl: vq_decode_attention(
-        q, kc, vc, kcb, vcb, n, implementation=impl, backend="triton",
-        block_sizes=block_sizes, key_rope=rope)) for impl in ("pallas", "xla")}
-    want = xla(q, kc, vc, lengths)
-    err = float(jnp.max(jnp.abs(pallas(q, kc, vc, lengths) - want)))
-    err_fast = float(jnp.max(jnp.abs(pallas_fast(q, kc, vc, lengths) - want)))
-    err_pre = float(jnp.max(jnp.abs(pre["pallas"](q, kc, vc, lengths)
-                                    - pre["xla"](q, kc, vc, lengths))))
-    row = {"batch": batch, "context": context, "max_abs_err": err, "pre_max_abs_err": err_pre,
-           "fast_max_abs_err": err_fast,
-           "bf16_ms": _median_ms(lambda: dense(q, k, v, lengths), warmup, repeats),
-           "pallas_ms": _median_ms(lambda: pallas(q, kc, vc, lengths), warmup, repeats),
-           "pallas_fast_ms": _median_ms(lambda: pallas_fast(q, kc, vc, lengths), warmup,
-                                        repeats),
-           "xla_vq_ms": _median_ms(lambda: xla(q, kc, vc, lengths), warmup, repeats),
-           "pallas_pre_ms": _median_ms(lambda: pre["pallas"](q, kc, vc, lengths), warmup,
-                                       repeats),
-           "bf16_bytes": int(k.nbytes + v.nbytes), "code_bytes": int(kc.nbytes + vc.nbytes)}
-    row["pallas_speedup"] = row["bf16_ms"] / row["pallas_ms"]
-    row["pallas_fast_speedup"] = row["bf16_ms"] / row["pallas_fast_ms"]
+    x = coded_inputs(rng, shape, batch, context)
+    hq, hkv, d = SHAPES[shape]
+    k = jnp.asarray(rng.normal(size=(batch, context, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(batch, context, hkv, d)), jnp.bfloat16)
+    impl = "auto" if dry_run else "pallas"  # auto on CPU = XLA: bookkeeping only
+    args = (x["q"], x["k_codes"], x["v_codes"], x["k_codebook"], x["v_codebook"],
+            x["lengths"])
+    fns = {"bf16": (jax.jit(dense_attention), (x["q"], k, v, x["lengths"])),
+           "kernel": (jax.jit(lambda *a: vq_decode_attention(*a, implementation=impl)), args)}
+    if dry_run or batch * context <= 8 * 32768:
+        fns["xla_vq"] = (jax.jit(lambda *a: vq_decode_attention(*a, implementation="xla")),
+                         args)
+    got = np.asarray(fns["kernel"][0](*args), np.float32)
+    want = np.asarray(vq_decode_attention(*args, implementation="xla"), np.float32)
+    row = {"shape": shape, "batch": batch, "context": context,
+           "max_abs_err": float(np.max(np.abs(got - want))),
+           "bytes": {"bf16": nbytes(k, v, x["q"]),
+                     "kernel": nbytes(*args), "xla_vq": nbytes(*args)}}
+    for name, (fn, a) in fns.items():
+        ms = time_fn(lambda fn=fn, a=a: fn(*a), warmup=warmup, repeats=repeats)["median_s"] * 1e3
+        row[f"{name}_ms"] = ms
+        row[f"{name}_hbm_roofline_frac"] = roofline_fraction(row["bytes"][name], ms)
+    row["bf16_over_kernel"] = row["bf16_ms"] / row["kernel_ms"]
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--contexts", default="4096,16384,32768")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--block-kv", type=int, default=64,
-                    help="one-hot tiles are [256, block_kv] f32: keep them small on GPU")
-    ap.add_argument("--blocks-per-split", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    if jax.default_backend() != "gpu":
-        raise SystemExit(f"needs a CUDA GPU; jax backend is {jax.default_backend()!r}")
-    bs = BlockSizes(block_kv=args.block_kv, blocks_per_split=args.blocks_per_split)
-    rows = [bench(b, s, bs, args.warmup, args.repeats)
-            for b in map(int, args.batches.split(",")) for s in map(int, args.contexts.split(","))]
-    cols = list(rows[0])
+def run(shapes=tuple(SHAPES), batches=BATCHES, contexts=CONTEXTS, *, warmup: int = 3,
+        repeats: int = 20, dry_run: bool = False) -> list[dict]:
+    if dry_run:
+        batches, contexts, warmup, repeats = DRY["batches"], DRY["contexts"], 0, 1
+    return [bench_case(s, b, c, warmup=warmup, repeats=repeats, dry_run=dry_run)
+            for s in shapes for b in batches for c in contexts]
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [c for c in rows[0] if c != "bytes"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
                                 for c in cols) + " |")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, XLA paths")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            raise SystemExit(f"--shapes: unknown {name!r}; expected some of {tuple(SHAPES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run and jax.default_backend() != "gpu":
+        raise SystemExit(f"needs a CUDA GPU (or --dry-run); jax backend is "
+                         f"{jax.default_backend()!r}")
+    rows = run(tuple(args.shapes.split(",")), tuple(map(int, args.batches.split(","))),
+               tuple(map(int, args.contexts.split(","))), warmup=args.warmup,
+               repeats=args.repeats, dry_run=args.dry_run)
+    print_table(rows)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows},
-                      f, indent=2)
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__,
+                       "dry_run": args.dry_run, "rows": rows}, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,13 +1,16 @@
-r"""The one prepared GPU run: check each Pallas kernel, compiled for CUDA through the Triton
-backend (not interpreted), against its plain-JAX reference on fresh random inputs, then
-time it against the XLA path in the same process.
+r"""The one prepared GPU run: check each Pallas kernel, compiled for CUDA (the kernel the
+platform dispatch picks there; not interpreted), against its plain-JAX reference on fresh
+random inputs, then time it against the XLA path in the same process.
 
     PYTHONPATH=. python scripts/gpu_check.py --out gpu_check.json [--sections a,b] [--quick]
+    PYTHONPATH=. python scripts/gpu_check.py --dry-run   # CPU: bench bookkeeping only
 
-Sections (in order): check_vq, check_paged, check_gmm, bench_vq, bench_paged, bench_gmm,
-tune_vq (block shapes and dot precision of the VQ kernel).
-A failing case is recorded with its error and the run goes on; the JSON file is rewritten
-after every section, so a run stopped at its time limit still leaves what it measured.
+Sections (in order): check_vq, check_paged, check_gmm, bench_vq, bench_paged, bench_gmm;
+tune_vq (block shapes and dot precision of the VQ kernel) only when named. The whole run
+stays under --budget-s (default 450 s, for an 8-minute device slot): a section that would
+start past the budget is recorded as skipped. A failing case is recorded with its error
+and the run goes on; the JSON file is rewritten after every section, so a run stopped at
+its time limit still leaves what it measured.
 Exits 1 if any check failed or raised. Timings are medians after warm-up
 (experiments.common.time_fn); checks compare against the references the CPU tests use.
 """
@@ -30,6 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench scripts
 
 import bench_grouped_matmul_gpu as gmm_bench  # noqa: E402
+import bench_paged_attention_gpu as paged_bench  # noqa: E402
 import bench_vq_attention_gpu as vq_bench  # noqa: E402
 from experiments.common import time_fn  # noqa: E402
 from kernels_pallas.grouped_matmul import (BlockSizes as GmmBlocks, grouped_matmul,  # noqa: E402
@@ -41,8 +45,9 @@ from kernels_pallas.vq_attention import BlockSizes, KeyRope, vq_decode_attention
 
 SECTIONS = ("check_vq", "check_paged", "check_gmm", "bench_vq", "bench_paged", "bench_gmm",
             "tune_vq")
+DEFAULT_SECTIONS = SECTIONS[:-1]
+DRY_SECTIONS = ("bench_vq", "bench_paged")
 GPU_VQ_BLOCKS = BlockSizes(block_kv=64, blocks_per_split=32)
-PAGED_CONTEXTS = (4096, 32768)
 
 
 def error_head(e: Exception) -> str:
@@ -83,8 +88,8 @@ def check_vq(rng, quick: bool) -> list[dict]:
         b, hkv, gq, g, gs, k, s, shared, pre = case
         d, hc = g * gs, 1 if shared else hkv
         q = jnp.asarray(rng.normal(size=(b, hkv * gq, d)), jnp.float32)
-        kc = jnp.asarray(rng.integers(0, k, (b, hkv, g, s)), jnp.uint8)
-        vc = jnp.asarray(rng.integers(0, k, (b, hkv, g, s)), jnp.uint8)
+        kc = jnp.asarray(rng.integers(0, k, (b, s, hkv, g)), jnp.uint8)
+        vc = jnp.asarray(rng.integers(0, k, (b, s, hkv, g)), jnp.uint8)
         kcb = jnp.asarray(rng.normal(size=(hc, g, k, gs)), jnp.float32)
         vcb = jnp.asarray(rng.normal(size=(hc, g, k, gs)), jnp.float32)
         lengths = np.asarray(rng.integers(1, s + 1, (b,)), np.int32)
@@ -92,36 +97,47 @@ def check_vq(rng, quick: bool) -> list[dict]:
         rope = (KeyRope.from_permutation(np.stack([rng.permutation(d) for _ in range(hkv)]),
                                          10000.0) if pre else None)
         args = (q, kc, vc, kcb, vcb, jnp.asarray(lengths))
-        want = vq_decode_attention(*args, key_rope=rope)
+        want = vq_decode_attention(*args, key_rope=rope, implementation="xla")
         # the XLA reference's own f32 einsums run at TF32 on GPU (~4e-4 here)
         for precision, tol in (("highest", 1e-3), ("default", 1e-2)):
             blocks = dataclasses.replace(GPU_VQ_BLOCKS, precision=precision)
             rows.append(checked(
                 {"case": list(case), "precision": precision, "tol": tol},
                 lambda blocks=blocks: vq_decode_attention(
-                    *args, key_rope=rope, implementation="pallas", backend="triton",
-                    block_sizes=blocks), want))
+                    *args, key_rope=rope, implementation="pallas", block_sizes=blocks),
+                want))
     return rows
 
 
 def check_paged(rng, quick: bool) -> list[dict]:
+    """Token-major pages [N, 16, Hkv, D], SmolLM2 and Llama-3.1-8B layer shapes, ragged rows
+    (one empty, one with an unmapped tail), two block configurations."""
     rows = []
-    b, hq, hkv, d, bs, n_blocks, m = 4, 9, 3, 64, 16, 300, 64  # SmolLM2 decode shapes
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for window in (None, 100):
-            q = jnp.asarray(rng.normal(size=(b, hq, d)), dtype)
-            k = jnp.asarray(rng.normal(size=(hkv, n_blocks, bs, d)), dtype)
-            v = jnp.asarray(rng.normal(size=(hkv, n_blocks, bs, d)), dtype)
-            table = rng.permutation(n_blocks)[:b * m].reshape(b, m).astype(np.int32)
-            lengths = np.asarray([m * bs, m * bs - 5, 37, 0], np.int32)  # one empty row
-            table[2, 3:] = -1  # unmapped past row 2's length
-            args = (q, k, v, jnp.asarray(table), jnp.asarray(lengths))
-            want = paged.paged_decode_attention(*args, window=window)
-            got = paged.paged_decode_attention(*args, window=window, implementation="pallas",
-                                               backend="triton")
-            rows.append({"dtype": jnp.dtype(dtype).name, "window": window,
-                         "rel_err": rel_err(got, want),
-                         "empty_row_zero": bool(not np.any(np.asarray(got[3], np.float32)))})
+    for hq, hkv, d in ((9, 3, 64), (32, 8, 128)):
+        b, bs, n_blocks, m = 4, 16, 300, 64
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for window, blocks in ((None, paged.kernel.BlockSizes()),
+                                   (100, paged.kernel.BlockSizes(pages_per_split=8))):
+                q = jnp.asarray(rng.normal(size=(b, hq, d)), dtype)
+                k = jnp.asarray(rng.normal(size=(n_blocks, bs, hkv, d)), dtype)
+                v = jnp.asarray(rng.normal(size=(n_blocks, bs, hkv, d)), dtype)
+                table = rng.permutation(n_blocks)[:b * m].reshape(b, m).astype(np.int32)
+                lengths = np.asarray([m * bs, m * bs - 5, 37, 0], np.int32)  # one empty row
+                table[2, 3:] = -1  # unmapped past row 2's length
+                args = (q, k, v, jnp.asarray(table), jnp.asarray(lengths))
+                want = paged.paged_decode_attention(*args, window=window,
+                                                    implementation="xla")
+                row = {"shape": [hq, hkv, d], "dtype": jnp.dtype(dtype).name,
+                       "window": window, "blocks": str(blocks)}
+                try:
+                    got = paged.paged_decode_attention(*args, window=window,
+                                                       implementation="pallas",
+                                                       block_sizes=blocks)
+                    row["rel_err"] = rel_err(got, want)
+                    row["empty_row_zero"] = bool(not np.any(np.asarray(got[3], np.float32)))
+                except Exception as e:  # noqa: BLE001 - a compile error is a result
+                    row["rel_err"], row["error"] = float("inf"), error_head(e)
+                rows.append(row)
     return rows
 
 
@@ -178,62 +194,34 @@ def check_gmm(rng, quick: bool) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- benches
-def bench_vq(rng, quick: bool) -> list[dict]:
-    batches, contexts = ((1, 32), (4096, 32768)) if quick else ((1, 8, 32), (4096, 16384, 32768))
-    return [vq_bench.bench(b, s, GPU_VQ_BLOCKS, warmup=3, repeats=20) for b in batches
-            for s in contexts]
+def _bench_sizes(quick: bool):
+    return dict(batches=(1, 32) if quick else vq_bench.BATCHES, contexts=vq_bench.CONTEXTS)
+
+
+def bench_vq(rng, quick: bool, dry_run: bool = False) -> list[dict]:
+    return vq_bench.run(**_bench_sizes(quick), warmup=3, repeats=20, dry_run=dry_run)
+
+
+def bench_paged(rng, quick: bool, dry_run: bool = False) -> list[dict]:
+    return paged_bench.run(**_bench_sizes(quick), warmup=3, repeats=20, dry_run=dry_run)
 
 
 def tune_vq(rng, quick: bool) -> list[dict]:
     """Pallas VQ kernel times over block shapes and dot precision, batch 32, 32k context."""
-    q, *codes_and_codebooks, lengths = vq_bench.coded_inputs(rng, 32, 32768)
+    x = vq_bench.coded_inputs(rng, "smollm2_layer", 32, 32768)
+    args = tuple(x.values())
     rows = []
     for block_kv, bps, precision in itertools.product((32, 64, 128), (8, 32),
                                                       ("highest", "default")):
         bs = BlockSizes(block_kv=block_kv, blocks_per_split=bps, precision=precision)
-        fn = jax.jit(lambda q, n, bs=bs: vq_decode_attention(
-            q, *codes_and_codebooks, n, implementation="pallas", backend="triton",
-            block_sizes=bs))
+        fn = jax.jit(lambda *a, bs=bs: vq_decode_attention(
+            *a, implementation="pallas", block_sizes=bs))
         try:
-            ms = time_fn(lambda: fn(q, lengths), warmup=2, repeats=10)["median_s"] * 1e3
+            ms = time_fn(lambda: fn(*args), warmup=2, repeats=10)["median_s"] * 1e3
         except Exception as e:  # noqa: BLE001 - a shape Triton rejects is a result
             ms = error_head(e)[:300]
         rows.append({"block_kv": block_kv, "blocks_per_split": bps, "precision": precision,
                      "ms": ms})
-    return rows
-
-
-def bench_paged(rng, quick: bool) -> list[dict]:
-    """Triton paged kernel vs the XLA reference (gather through the table) vs dense
-    attention over the same tokens stored contiguously; bf16, SmolLM2 shapes."""
-    rows = []
-    hq, hkv, d, bs = 9, 3, 64, 16
-    for b in (1, 32) if quick else (1, 8, 32):
-        for s in PAGED_CONTEXTS:
-            m = s // bs
-            q = jnp.asarray(rng.normal(size=(b, hq, d)), jnp.bfloat16)
-            k = jnp.asarray(rng.normal(size=(hkv, b * m, bs, d)), jnp.bfloat16)
-            v = jnp.asarray(rng.normal(size=(hkv, b * m, bs, d)), jnp.bfloat16)
-            table = jnp.asarray(rng.permutation(b * m).reshape(b, m), jnp.int32)
-            lengths = jnp.full((b,), s, jnp.int32)
-            kd = k[:, table].transpose(1, 2, 3, 0, 4).reshape(b, s, hkv, d)
-            vd = v[:, table].transpose(1, 2, 3, 0, 4).reshape(b, s, hkv, d)
-            fns = {
-                "pallas": jax.jit(lambda *a: paged.paged_decode_attention(
-                    *a, implementation="pallas", backend="triton")),
-                "xla_paged": jax.jit(paged.paged_decode_attention),
-            }
-            dense = jax.jit(vq_bench._dense)
-            row = {"batch": b, "context": s,
-                   "rel_err": rel_err(fns["pallas"](q, k, v, table, lengths),
-                                      fns["xla_paged"](q, k, v, table, lengths))}
-            for name, fn in fns.items():
-                row[f"{name}_ms"] = time_fn(lambda fn=fn: fn(q, k, v, table, lengths),
-                                            warmup=3, repeats=20)["median_s"] * 1e3
-            row["dense_bf16_ms"] = time_fn(lambda: dense(q, kd, vd, lengths), warmup=3,
-                                           repeats=20)["median_s"] * 1e3
-            row["kv_gb_per_s_pallas"] = 2 * b * s * hkv * d * 2 / row["pallas_ms"] / 1e6
-            rows.append(row)
     return rows
 
 
@@ -249,24 +237,39 @@ def bench_gmm(rng, quick: bool) -> list[dict]:
 CHECK_TOLERANCE = {"check_vq": 1e-3, "check_paged": 2e-2, "check_gmm": 2e-2}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_check.json")
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default="")
     ap.add_argument("--quick", action="store_true", help="fewer cases and sizes")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    if jax.default_backend() != "gpu":
-        raise SystemExit(f"needs a CUDA GPU; jax backend is {jax.default_backend()!r}")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="start no section after this many seconds")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: the bench sections' bookkeeping at tiny sizes")
+    args = ap.parse_args(argv)
+    if not args.dry_run and jax.default_backend() != "gpu":
+        raise SystemExit(f"needs a CUDA GPU (or --dry-run); jax backend is "
+                         f"{jax.default_backend()!r}")
+    names = args.sections.split(",") if args.sections else list(
+        DRY_SECTIONS if args.dry_run else DEFAULT_SECTIONS)
+    for name in names:
+        if name not in SECTIONS or (args.dry_run and name not in DRY_SECTIONS):
+            allowed = DRY_SECTIONS if args.dry_run else SECTIONS
+            raise SystemExit(f"--sections: unknown {name!r}; expected some of {allowed}")
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "seed": args.seed, "sections": {}}
+              "seed": args.seed, "dry_run": args.dry_run, "sections": {}}
     failed = False
-    for name in args.sections.split(","):
-        if name not in SECTIONS:
-            raise SystemExit(f"--sections: unknown {name!r}; expected some of {SECTIONS}")
+    start = time.perf_counter()
+    for name in names:
         t0 = time.perf_counter()
+        if t0 - start > args.budget_s:
+            report["sections"][name] = {"skipped": f"past the {args.budget_s:.0f} s budget"}
+            continue
         try:
-            rows = globals()[name](np.random.default_rng(args.seed), args.quick)
+            fn = globals()[name]
+            rng = np.random.default_rng(args.seed)
+            rows = fn(rng, args.quick, dry_run=True) if args.dry_run else fn(rng, args.quick)
             entry = {"rows": rows}
             tol = CHECK_TOLERANCE.get(name)
             if tol is not None:

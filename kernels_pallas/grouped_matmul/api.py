@@ -1,10 +1,12 @@
 """Public entry points: grouped_matmul (differentiable) and transposed_grouped_matmul.
 
-    y = grouped_matmul(x_sorted, w, group_sizes, implementation="pallas", backend="triton")
+    y = grouped_matmul(x_sorted, w, group_sizes)   # auto: the platform's implementation
 
-implementation: "xla" (jax.lax.ragged_dot, the reference), "xla_tiled" (the kernels'
-tile-visit algorithm in plain JAX, cost proportional to the rows: the one to use on CPU),
-"pallas" (kernel.py; `backend` "mosaic_tpu" or "triton", `interpret=True` on CPU).
+implementation: "auto" (default: jax.lax.ragged_dot on CPU, the Mosaic kernel on TPU, the
+Triton kernel on CUDA, chosen when lowering: kernels_pallas.dispatch), "xla"
+(jax.lax.ragged_dot, the reference), "xla_tiled" (the kernels' tile-visit algorithm in
+plain JAX, cost proportional to the rows: the fast one on CPU), "pallas" (kernel.py: the
+platform's kernel, or `backend` "mosaic_tpu" | "triton"; `interpret=True` on CPU).
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ def _check_float(name: str, x, ndim: int) -> None:
 
 
 def grouped_matmul(lhs: Float[Array, "M K"], rhs: Float[Array, "G K N"],
-                   group_sizes: Int[Array, "G"], *, implementation: str = "xla",
-                   backend: str = "mosaic_tpu", interpret: bool = False,
+                   group_sizes: Int[Array, "G"], *, implementation: str = "auto",
+                   backend: str | None = None, interpret: bool = False,
                    block_sizes: BlockSizes | None = None,
                    transpose_rhs: bool = False) -> Array:
     """out[m] = lhs[m] @ rhs[group(m)] for expert-sorted rows; rows past the groups are 0.
@@ -68,8 +70,8 @@ def grouped_matmul(lhs: Float[Array, "M K"], rhs: Float[Array, "G K N"],
 
 
 def transposed_grouped_matmul(lhs: Float[Array, "M K"], dout: Float[Array, "M N"],
-                              group_sizes: Int[Array, "G"], *, implementation: str = "xla",
-                              backend: str = "mosaic_tpu", interpret: bool = False,
+                              group_sizes: Int[Array, "G"], *, implementation: str = "auto",
+                              backend: str | None = None, interpret: bool = False,
                               block_sizes: BlockSizes | None = None) -> Array:
     """tgmm: out[g] = lhs[rows of g].T @ dout[rows of g], [G, K, N] (the weight gradient)."""
     _check_float("lhs", lhs, 2)
@@ -87,8 +89,8 @@ class GroupedMatmul:
     """A hashable grouped-matmul callable (lhs, rhs, group_sizes) -> out, e.g. for
     `research.model.layers.expert_ffn(matmul=...)` inside a static model config."""
 
-    implementation: str = "xla"
-    backend: str = "mosaic_tpu"
+    implementation: str = "auto"
+    backend: str | None = None
     interpret: bool = False
     block_sizes: BlockSizes = BlockSizes()
 

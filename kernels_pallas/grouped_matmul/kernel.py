@@ -14,6 +14,14 @@ Two backends, chosen explicitly (never guessed from the platform):
 
 Both pad M, K and N up to multiples of the blocks (zeros, exact) and slice the result.
 `interpret=True` runs either backend in the Pallas interpreter on CPU.
+
+Why Triton on CUDA, not Mosaic GPU (the Triton backend is deprecated from JAX 0.11): JAX
+ships Hopper Mosaic GPU grouped matmuls (pallas/ops/gpu/ragged_dot_mgpu.py and
+transposed_ragged_dot_mgpu.py, bf16 wgmma). The forward one lowers for CUDA on a CPU host;
+the transposed one (our tgmm, the weight gradient) does not in JAX 0.10.2 (AttributeError
+while lowering off-GPU), so it cannot be lowering-tested here, and neither has been run on
+our shapes (ragged rows past the groups, f32). Switching the CUDA branch of the dispatch is
+owed to a session with a GPU that can check and time both against this kernel.
 """
 from __future__ import annotations
 

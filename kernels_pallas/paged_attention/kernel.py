@@ -1,16 +1,33 @@
-"""Pallas paged decode attention kernels (online softmax over KV blocks).
+"""Pallas paged decode attention kernels: split-K online softmax over token-major pages.
 
-Two grids, one per backend, sharing the online-softmax update `_online_softmax_step`:
+Layout (research.kv paged layout, token axes lead):
 
-- TPU (Mosaic): grid (B, Hkv, M). The block table and lengths are scalar-prefetched; the
-  K/V BlockSpec index_map reads `table[b, p]`, so the pipeline streams exactly the blocks
-  of row b (one (block_size, D) tile per step) and blocks past the row's length are
-  skipped with `pl.when`. The G = Hq/Hkv query heads of a KV head share each tile.
-- GPU (Triton): grid (B, Hq). Triton has no scalar prefetch, so each program loops over
-  its row's blocks and loads the tile of `table[b, p]` with a dynamic index. Triton
-  needs power-of-two tiles: block_size and D must be powers of two.
+    k_pool, v_pool  [N, block_size, Hkv, D]   page n holds block_size tokens of every KV head
+    block_table     [B, M] int32              row b's m-th page; -1 = unmapped (masked)
+    lengths         [B]                       row b attends to its first lengths[b] tokens
 
-Both take the pools in the [Hkv, N, block_size, D] layout of `research.kv.paged`.
+Both kernels split each row's M pages into `n_splits` context splits (flash decoding):
+every (row, split) program writes an unnormalised partial output with its running max and
+sum, and one log-sum-exp combine in XLA (`merge_splits`) finishes. The G = Hq/Hkv query
+heads of a KV head are one tile, so each page is read once per row, not once per head.
+
+- TPU (Mosaic): grid (B, n_splits, steps). The block table and lengths are
+  scalar-prefetched (PrefetchScalarGridSpec); `pages_per_step` page BlockSpecs (one per
+  page of the step, index_map `table[b, page]`) make the pipeline stream P pages per grid
+  step. A page tile (block_size, Hkv, D) holds all KV heads, so one step scores all Hq
+  query heads. Page indices are clamped to the row's live range [first, last] so steps
+  past the length (or before the window) re-use the resident page instead of fetching one.
+- GPU (Triton): grid (B, Hkv, n_splits). Triton has no scalar prefetch: each program loops
+  over its split's pages, reads `table[b, p]` and loads the page's [block_size, D] tile of
+  its KV head with a dynamic index; the G query heads (padded to 16 rows) meet it in one
+  dot. Triton tiles are powers of two: block_size and D must be.
+
+Why Triton and not Mosaic GPU on CUDA: the Triton backend is deprecated from JAX 0.11, but
+this kernel's addressing is data dependent (the page of each step comes from the block
+table in memory). Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) has no scalar prefetch
+for BlockSpec index maps, and its gathers (TMA gather4) are Blackwell-only, so an H100/H200
+version needs a hand-written per-page TMA copy loop with barriers; that port is left to a
+session with a GPU to validate it. The dispatch (api.py) keeps Triton behind "auto".
 """
 from __future__ import annotations
 
@@ -23,154 +40,236 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-MASK = -1e30  # finite: keeps exp(m_old - m_new) well defined while a row is all-masked
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(m_old - m_new) stays defined
+_CONTRACT_LAST = (((1,), (1,)), ((), ()))
+_CONTRACT_MID = (((1,), (0,)), ((), ()))
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tuning knobs. The KV tile is one cache block; Triton launch parameters."""
+    """pages_per_step: pages per TPU grid step (P page DMAs in flight per step).
+    pages_per_split: pages per context split (a multiple of pages_per_step after rounding);
+    fewer splits for short contexts, more parallel programs for long ones.
+    num_warps, num_stages: Triton launch parameters."""
 
+    pages_per_step: int = 4
+    pages_per_split: int = 64
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self):
+        for name in ("pages_per_step", "pages_per_split", "num_warps", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BlockSizes.{name} must be >= 1, got {getattr(self, name)}")
 
-def _online_softmax_step(q, k, v, valid, m, l, acc, *, use_dot: bool):
-    """One KV tile: q [G, D] (pre-scaled), k/v [S, D], valid [S] -> updated (m, l, acc).
 
-    use_dot: MXU matmuls (TPU); otherwise broadcast-multiply-reduce, which Triton
-    accepts for any power-of-two tile (tl.dot needs every dimension >= 16).
-    """
-    if use_dot:
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [G, S]
-    else:
-        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)
-    s = jnp.where(valid[None, :], s, MASK)
+def split_plan(m: int, block_sizes: BlockSizes, step: int) -> tuple[int, int]:
+    """(pages per split, n_splits) for M pages: splits are whole steps of `step` pages."""
+    per_split = min(block_sizes.pages_per_split, m)
+    per_split = -(-per_split // step) * step
+    return per_split, -(-m // per_split)
+
+
+def _padded_table(block_table, m_pad: int):
+    b, m = block_table.shape
+    return jnp.full((b, m_pad), -1, jnp.int32).at[:, :m].set(block_table.astype(jnp.int32))
+
+
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _live_pages(length, block_size: int, window: int | None):
+    """[first, last] page of a row's attended tokens (last = first - 1 when empty)."""
+    # lax.div (truncation; operands are >= 0): jnp's floor division lowers through `sign`,
+    # which Mosaic only lowers when it can query the TPU generation
+    last = jax.lax.div(length + block_size - 1, block_size) - 1
+    first = 0 if window is None else jax.lax.div(jnp.maximum(length - window, 0), block_size)
+    return first, last
+
+
+def _online_softmax(q, keys, vals, valid, m, l, acc, precision):
+    """q [R, D] (pre-scaled), keys/vals [T, D], valid [1, T] -> updated (m, l, acc)."""
+    s = jax.lax.dot_general(q, keys, _CONTRACT_LAST, precision=precision,
+                            preferred_element_type=jnp.float32)  # [R, T]
+    s = jnp.where(valid, s, MASK)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(valid[None, :], jnp.exp(s - m_new), 0.0)
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     corr = jnp.exp(m - m_new)
     l_new = l * corr + jnp.sum(p, axis=1, keepdims=True)
-    if use_dot:
-        pv = jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-    else:
-        pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+    pv = jax.lax.dot_general(p.astype(vals.dtype), vals, _CONTRACT_MID, precision=precision,
+                             preferred_element_type=jnp.float32)
     return m_new, l_new, acc * corr + pv
 
 
-def _valid_positions(start, size: int, length, window: int | None):
-    pos = start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
-    valid = pos < length
-    if window is not None:
-        valid &= pos > length - 1 - window
-    return valid
+def merge_splits(o, m, l):
+    """o [B, N, R, D] unnormalised partials, m/l [B, N, R, 1] -> [B, R, D] f32.
+    Splits with no live token carry m = MASK, l = 0 (weight 0); an empty row gives 0."""
+    m_all = jnp.max(m, axis=1, keepdims=True)
+    corr = jnp.exp(m - m_all)
+    l_all = jnp.sum(corr * l, axis=1)
+    o_all = jnp.sum(corr * o, axis=1)
+    return o_all / jnp.maximum(l_all, jnp.finfo(jnp.float32).tiny)
 
 
 # -- TPU ---------------------------------------------------------------------------------
-def _tpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *,
-                block_size: int, window: int | None, scale: float):
-    b, p = pl.program_id(0), pl.program_id(2)
+def _tpu_kernel(tbl_ref, len_ref, q_ref, *refs, pages: int, block_size: int, hkv: int,
+                group: int, steps: int, m_pad: int, window: int | None, scale: float,
+                precision):
+    k_refs, v_refs = refs[:pages], refs[pages:2 * pages]
+    o_ref, m_out, l_out, m_ref, l_ref, acc_ref = refs[2 * pages:]
+    b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = len_ref[b]
-    start = p * block_size
+    base = (split * steps + step) * pages  # first logical page of this step
+    first, last = _live_pages(length, block_size, window)
 
-    @pl.when(p == 0)
+    @pl.when(step == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, MASK, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    live = start < length
-    if window is not None:
-        live &= start + block_size > length - window
-
-    @pl.when(live)
+    @pl.when((base <= last) & (base + pages > first))
     def _step():
-        q = q_ref[...].astype(jnp.float32) * scale
-        valid = _valid_positions(start, block_size, length, window)
-        m, l, acc = _online_softmax_step(q, k_ref[...].astype(jnp.float32),
-                                         v_ref[...].astype(jnp.float32), valid,
-                                         m_ref[...], l_ref[...], acc_ref[...], use_dot=True)
-        m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+        n = pages * block_size
+        t = jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+        pos = base * block_size + t
+        valid = pos < length
+        if window is not None:
+            valid &= pos > length - 1 - window
+        for i in range(pages):  # unmapped pages (-1) are masked, as in the reference
+            page = jnp.minimum(base + i, m_pad - 1)
+            in_page = (t >= i * block_size) & (t < (i + 1) * block_size)
+            valid &= ~in_page | (tbl_ref[b * m_pad + page] >= 0)
+        for h in range(hkv):
+            rows = slice(h * group, (h + 1) * group)
+            keys = jnp.concatenate([r[:, h, :] for r in k_refs], axis=0)  # [P*S, D]
+            vals = jnp.concatenate([r[:, h, :] for r in v_refs], axis=0)
+            q = (q_ref[rows, :].astype(jnp.float32) * scale).astype(keys.dtype)
+            m, l, acc = _online_softmax(q, keys, vals, valid, m_ref[rows, :], l_ref[rows, :],
+                                        acc_ref[rows, :], precision)
+            m_ref[rows, :], l_ref[rows, :], acc_ref[rows, :] = m, l, acc
 
-    @pl.when(p == pl.num_programs(2) - 1)
+    @pl.when(step == steps - 1)
     def _out():
-        l = l_ref[...]
-        o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0),
-                               0.0).astype(o_ref.dtype)
+        o_ref[...] = acc_ref[...]
+        m_out[...] = m_ref[...]
+        l_out[...] = l_ref[...]
 
 
 def paged_decode_attention_tpu(q, k_pool, v_pool, block_table, lengths, *, window, interpret,
                                block_sizes: BlockSizes = BlockSizes()):
     """q [B, Hq, D] -> [B, Hq, D]; Mosaic TPU kernel (or its interpretation on CPU)."""
-    del block_sizes
     b, hq, d = q.shape
-    hkv, _, s, _ = k_pool.shape
-    g, m = hq // hkv, block_table.shape[1]
-    q4 = q.reshape(b, hkv, g, d)
-    table = jnp.maximum(block_table, 0).astype(jnp.int32)  # unmapped -> block 0, masked
-    kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, h, p, tbl, lens: (h, tbl[bi, p], 0, 0))
-    q_spec = pl.BlockSpec((None, None, g, d), lambda bi, h, p, tbl, lens: (bi, h, 0, 0))
+    _, s, hkv, _ = k_pool.shape
+    m = block_table.shape[1]
+    pages = min(block_sizes.pages_per_step, m)
+    per_split, n_splits = split_plan(m, block_sizes, pages)
+    steps, m_pad = per_split // pages, per_split * n_splits
+    table = _padded_table(block_table, m_pad).reshape(-1)  # 1-D: SMEM pads 2-D arrays
+
+    def page_map(i):
+        def index(bi, sp, st, tbl, lens):
+            first, last = _live_pages(lens[bi], s, window)
+            page = jnp.clip((sp * steps + st) * pages + i, first, jnp.maximum(last, first))
+            return jnp.maximum(tbl[bi * m_pad + jnp.minimum(page, m_pad - 1)], 0), 0, 0, 0
+        return pl.BlockSpec((None, s, hkv, d), index)
+
+    row_spec = pl.BlockSpec((None, hq, d), lambda bi, sp, st, tbl, lens: (bi, 0, 0))
+    out_spec = lambda w: pl.BlockSpec((None, None, hq, w),  # noqa: E731
+                                      lambda bi, sp, st, tbl, lens: (bi, sp, 0, 0))
+    kv_specs = [page_map(i) for i in range(pages)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(b, hkv, m), in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=q_spec,
-        scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
-                        pltpu.VMEM((g, d), jnp.float32)])
-    kernel = functools.partial(_tpu_kernel, block_size=s, window=window, scale=d ** -0.5)
-    out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype), grid_spec=grid_spec,
+        num_scalar_prefetch=2, grid=(b, n_splits, steps),
+        in_specs=[row_spec, *kv_specs, *kv_specs],
+        out_specs=[out_spec(d), out_spec(1), out_spec(1)],
+        scratch_shapes=[pltpu.VMEM((hq, 1), jnp.float32), pltpu.VMEM((hq, 1), jnp.float32),
+                        pltpu.VMEM((hq, d), jnp.float32)])
+    kernel = functools.partial(_tpu_kernel, pages=pages, block_size=s, hkv=hkv,
+                               group=hq // hkv, steps=steps, m_pad=m_pad, window=window,
+                               scale=d ** -0.5, precision=_precision(k_pool.dtype))
+    stats = jax.ShapeDtypeStruct((b, n_splits, hq, 1), jnp.float32)
+    o, m_, l_ = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((b, n_splits, hq, d), jnp.float32), stats, stats],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret, name="paged_decode_attention_tpu",
-    )(table, lengths.astype(jnp.int32), q4, k_pool, v_pool)
-    return out.reshape(b, hq, d)
+    )(table, lengths.astype(jnp.int32), q, *([k_pool] * pages), *([v_pool] * pages))
+    return merge_splits(o, m_, l_).astype(q.dtype)
 
 
 # -- GPU (Triton) ------------------------------------------------------------------------
-def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, block_size: int,
-                n_blocks: int, group: int, window: int | None, scale: float):
-    h = pl.program_id(1)
-    kvh = h // group
+def gpu_supports(block_size: int, head_dim: int) -> bool:
+    """Compiled Triton tiles are powers of two, dots need dims >= 16."""
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    return pow2(block_size) and pow2(head_dim) and block_size >= 16 and head_dim >= 16
+
+
+def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_out, l_out, *,
+                block_size: int, per_split: int, window: int | None, precision):
+    h, split = pl.program_id(1), pl.program_id(2)
     length = len_ref[0]
-    q = q_ref[...].astype(jnp.float32)[None, :] * scale  # [1, D]
-    d = q.shape[1]
+    q = q_ref[...]  # [Gp, D], pre-scaled f32 (or the pool dtype)
+    rows, d = q.shape
+    first, last = _live_pages(length, block_size, window)
+    lo = jnp.maximum(first, split * per_split)
+    hi = jnp.minimum(last + 1, (split + 1) * per_split)
 
     def body(p, carry):
-        m, l, acc = carry
         page = table_ref[p]
-        k = k_ref[kvh, page, pl.ds(0, block_size), pl.ds(0, d)].astype(jnp.float32)
-        v = v_ref[kvh, page, pl.ds(0, block_size), pl.ds(0, d)].astype(jnp.float32)
-        valid = _valid_positions(p * block_size, block_size, length, window)
-        return _online_softmax_step(q, k, v, valid, m, l, acc, use_dot=False)
+        safe = jnp.maximum(page, 0)
+        keys = k_ref[safe, pl.ds(0, block_size), h, pl.ds(0, d)]
+        vals = v_ref[safe, pl.ds(0, block_size), h, pl.ds(0, d)]
+        pos = p * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
+        valid = (pos < length) & (page >= 0)
+        if window is not None:
+            valid &= pos > length - 1 - window
+        return _online_softmax(q, keys, vals, valid, *carry, precision)
 
-    init = (jnp.full((1, 1), MASK, jnp.float32), jnp.zeros((1, 1), jnp.float32),
-            jnp.zeros((1, d), jnp.float32))
-    # only the blocks holding positions [length - window, length) are visited
-    last = jnp.minimum((length + block_size - 1) // block_size, n_blocks)
-    first = 0 if window is None else jnp.maximum(length - window, 0) // block_size
-    m, l, acc = jax.lax.fori_loop(first, last, body, init)
-    out = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
-    o_ref[...] = out[0].astype(o_ref.dtype)
+    init = (jnp.full((rows, 1), MASK, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
+    o_ref[...] = acc
+    m_out[...] = m
+    l_out[...] = l
 
 
 def paged_decode_attention_gpu(q, k_pool, v_pool, block_table, lengths, *, window, interpret,
                                block_sizes: BlockSizes = BlockSizes()):
     """q [B, Hq, D] -> [B, Hq, D]; Triton kernel (or its interpretation on CPU)."""
     b, hq, d = q.shape
-    hkv, _, s, _ = k_pool.shape
-    m = block_table.shape[1]
-    m_pad = pl.next_power_of_2(m)
-    table = jnp.zeros((b, m_pad), jnp.int32).at[:, :m].set(jnp.maximum(block_table, 0))
-    lengths2 = lengths.astype(jnp.int32)[:, None]
-    kernel = functools.partial(_gpu_kernel, block_size=s, n_blocks=m, group=hq // hkv,
-                               window=window, scale=d ** -0.5)
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, hq),
-        in_specs=[pl.BlockSpec((None, m_pad), lambda bi, h: (bi, 0)),
-                  pl.BlockSpec((None, 1), lambda bi, h: (bi, 0)),
-                  pl.BlockSpec((None, None, d), lambda bi, h: (bi, h, 0)),
+    _, s, hkv, _ = k_pool.shape
+    g, m = hq // hkv, block_table.shape[1]
+    if not interpret and not gpu_supports(s, d):
+        raise ValueError(f"the compiled Triton paged kernel needs power-of-two block_size "
+                         f"and head_dim >= 16, got block_size={s}, head_dim={d}")
+    per_split, n_splits = split_plan(m, block_sizes, 1)
+    m_pad = pl.next_power_of_2(per_split * n_splits)
+    table = _padded_table(block_table, m_pad)
+    rows = max(16, pl.next_power_of_2(g))
+    qs = q.astype(jnp.float32).reshape(b, hkv, g, d) * d ** -0.5
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, rows - g), (0, 0))).astype(
+        jnp.float32 if k_pool.dtype == jnp.float32 else k_pool.dtype)
+    kernel = functools.partial(_gpu_kernel, block_size=s, per_split=per_split, window=window,
+                               precision=_precision(k_pool.dtype))
+    out_spec = lambda w: pl.BlockSpec((None, None, None, rows, w),  # noqa: E731
+                                      lambda bi, h, sp: (bi, h, sp, 0, 0))
+    stats = jax.ShapeDtypeStruct((b, hkv, n_splits, rows, 1), jnp.float32)
+    o, m_, l_ = pl.pallas_call(
+        kernel, grid=(b, hkv, n_splits),
+        in_specs=[pl.BlockSpec((None, m_pad), lambda bi, h, sp: (bi, 0)),
+                  pl.BlockSpec((None, 1), lambda bi, h, sp: (bi, 0)),
+                  pl.BlockSpec((None, None, rows, d), lambda bi, h, sp: (bi, h, 0, 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec((None, None, d), lambda bi, h: (bi, h, 0)),
+        out_specs=[out_spec(d), out_spec(1), out_spec(1)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, n_splits, rows, d), jnp.float32), stats,
+                   stats],
         compiler_params=pltriton.CompilerParams(num_warps=block_sizes.num_warps,
                                                 num_stages=block_sizes.num_stages),
         interpret=interpret, name="paged_decode_attention_gpu",
-    )(table, lengths2, q, k_pool, v_pool)
+    )(table, lengths.astype(jnp.int32)[:, None], qs, k_pool, v_pool)
+    # [B, Hkv, N, rows, .] -> splits second, rows = (KV head, query head of its group)
+    o, m_, l_ = (x[:, :, :, :g].transpose(0, 2, 1, 3, 4).reshape(b, n_splits, hq, -1)
+                 for x in (o, m_, l_))
+    return merge_splits(o, m_, l_).astype(q.dtype)

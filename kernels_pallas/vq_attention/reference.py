@@ -1,13 +1,11 @@
 """Plain-JAX attention that reads vector-quantised K/V codes directly (the oracle).
 
-Layout shared by the cache codec (research/tasq/vq.py), this reference and the Pallas
-kernel:
+Layout shared by the cache codecs (research/tasq), this reference and the Pallas kernel
+(token axes lead, so a token's record is contiguous and a paged layout can hold it):
 
-    codes     uint8 [B, Hkv, G, S]   one code per (token, KV head, channel group); the group
-                                      axis comes before the context axis so that each group's
-                                      codes are a contiguous run of S bytes (XLA:CPU gathers
-                                      and scatters over such runs vectorise; the transposed
-                                      [S, G] layout was measured ~5x slower).
+    codes     uint8 [B, S, Hkv, G]   one code per (token, KV head, channel group)
+    pages     uint8 [N, bs, Hkv, G]  the same records in pages of bs tokens, read through a
+                                      block table [B, M] (-1 = unmapped): `*_paged` below
     codebook  f32   [Hc, G, K, g]    K centroids of g channels per group; Hc is 1 (shared by
                                       all KV heads) or Hkv.
     q         [B, T, Hq, D]          queries in the codec's channel order, D = G * g.
@@ -32,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt8
 
+from kernels_pallas.paged_attention.reference import gather_sequences, mapped_tokens
 from kernels_pallas.vq_attention.rope import KeyRope
 from research.core.attention import masked_softmax_weights
 
@@ -55,36 +54,36 @@ def lookup_tables(q: Float[Array, "B T Hq D"], k_codebook: Float[Array, "Hc G K 
     return lut.reshape(b, n_kv_heads, t * (hq // n_kv_heads), g, kk)
 
 
-def scores_from_codes(lut: Float[Array, "R G K"], codes: UInt8[Array, "G S"]) -> Array:
-    """score[r, s] = sum_g LUT[r, g, codes[g, s]]  ->  [R, S]."""
+def scores_from_codes(lut: Float[Array, "R G K"], codes: UInt8[Array, "S G"]) -> Array:
+    """score[r, s] = sum_g LUT[r, g, codes[s, g]]  ->  [R, S]."""
     idx = codes.astype(jnp.int32)
-    total = jnp.take(lut[:, 0, :], idx[0], axis=1)
-    for g in range(1, codes.shape[0]):
-        total = total + jnp.take(lut[:, g, :], idx[g], axis=1)
+    total = jnp.take(lut[:, 0, :], idx[:, 0], axis=1)
+    for g in range(1, codes.shape[1]):
+        total = total + jnp.take(lut[:, g, :], idx[:, g], axis=1)
     return total
 
 
-def values_from_codes(weights: Float[Array, "R S"], codes: UInt8[Array, "G S"],
+def values_from_codes(weights: Float[Array, "R S"], codes: UInt8[Array, "S G"],
                       codebook: Float[Array, "G K g"]) -> Float[Array, "R D"]:
-    """out[r] = sum_s w[r, s] * centroid(codes[:, s]) via per-code bins, never rebuilding V."""
+    """out[r] = sum_s w[r, s] * centroid(codes[s]) via per-code bins, never rebuilding V."""
     n_codes = codebook.shape[1]
     wt = weights.T  # [S, R]: segment_sum reduces over the leading axis
     outs = []
-    for g in range(codes.shape[0]):
-        bins = jax.ops.segment_sum(wt, codes[g].astype(jnp.int32), num_segments=n_codes)
+    for g in range(codes.shape[1]):
+        bins = jax.ops.segment_sum(wt, codes[:, g].astype(jnp.int32), num_segments=n_codes)
         outs.append(bins.T @ codebook[g].astype(jnp.float32))  # [R, K] @ [K, g]
     return jnp.concatenate(outs, axis=-1)
 
 
-def vq_attention_reference(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
-                           v_codes: UInt8[Array, "B Hkv G S"],
+def vq_attention_reference(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
+                           v_codes: UInt8[Array, "B S Hkv G"],
                            k_codebook: Float[Array, "Hc G K g"],
                            v_codebook: Float[Array, "Hc G K g"],
                            mask: Bool[Array, "B T S"],
                            sm_scale: float | None = None) -> Float[Array, "B T Hq D"]:
     """Masked GQA attention of `q` over coded K/V; f32 output. All-masked rows give zeros."""
     b, t, hq, d = q.shape
-    hkv = k_codes.shape[1]
+    hkv = k_codes.shape[2]
     gq = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     lut = lookup_tables(q, k_codebook, hkv, sm_scale)  # [B, Hkv, R, G, K]
@@ -95,15 +94,15 @@ def vq_attention_reference(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B
         w = masked_softmax_weights(scores_from_codes(lut_bh, kc_bh), mask_b)
         return values_from_codes(w, vc_bh, vcb_h)  # [R, D]
 
-    per_head = jax.vmap(one_head, in_axes=(0, 0, 0, 0, None))  # over KV heads
+    per_head = jax.vmap(one_head, in_axes=(0, 1, 1, 0, None))  # over KV heads
     out = jax.vmap(per_head, in_axes=(0, 0, 0, None, 0))(lut, k_codes, v_codes, vcb, row_mask)
     # out: [B, Hkv, T * gq, D] -> [B, T, Hq, D]
     out = out.reshape(b, hkv, t, gq, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, hq, d)
 
 
-def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
-                                  v_codes: UInt8[Array, "B Hkv G S"],
+def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
+                                  v_codes: UInt8[Array, "B S Hkv G"],
                                   k_codebook: Float[Array, "Hc G K g"],
                                   v_codebook: Float[Array, "Hc G K g"],
                                   lengths: Int[Array, "B"],
@@ -113,7 +112,7 @@ def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Arra
     """One decode query per row over its first `lengths[b]` cached tokens (the kernel's
     oracle). Pre-RoPE codes (`key_rope`) take `vq_decode_attention_pre_rope` (no table
     can serve them)."""
-    s = k_codes.shape[-1]
+    s = k_codes.shape[1]
     if key_rope is not None:
         return vq_decode_attention_pre_rope(q, k_codes, v_codes, k_codebook, v_codebook,
                                             lengths, key_rope, block, sm_scale)
@@ -122,55 +121,56 @@ def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Arra
                                   sm_scale)[:, 0]
 
 
-def vq_decode_attention_pre_rope(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
-                                 v_codes: UInt8[Array, "B Hkv G S"],
+def vq_decode_attention_pre_rope(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
+                                 v_codes: UInt8[Array, "B S Hkv G"],
                                  k_codebook: Float[Array, "Hc G K g"],
                                  v_codebook: Float[Array, "Hc G K g"],
                                  lengths: Int[Array, "B"], key_rope: KeyRope,
-                                 block: int = 512, sm_scale: float | None = None
+                                 block: int = 512, sm_scale: float | None = None,
+                                 kv_valid: Bool[Array, "B S"] | None = None
                                  ) -> Float[Array, "B Hq D"]:
     """One decode query per row over pre-RoPE key codes, in two passes.
 
     Pass 1 scores `block` keys at a time: the block's keys are gathered from the centroid
-    table straight into token-major [block, D] order (codes transposed as bytes first; a
-    float transpose of the rebuilt block was the single largest cost on XLA:CPU) and meet
+    table straight into token-major [block, D] order (the codes' own order) and meet
     the query through block-local cos/sin tables (see KeyRope.query_terms). Pass 2 is one
     softmax over the [Hq, S] scores and the per-code value bins of the lookup-table path.
-    At most one block of dense keys and no dense values ever exist.
+    At most one block of dense keys and no dense values ever exist. kv_valid: an extra
+    per-slot mask (e.g. unmapped pages), ANDed with slot < lengths[b].
     """
     b, hq, d = q.shape
-    _, hkv, g, s = k_codes.shape
+    _, s, hkv, g = k_codes.shape
     gq = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     block = min(block, s)
     n_blocks = -(-s // block)
-    codes = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, n_blocks * block - s),))
-    codes = codes.transpose(0, 1, 3, 2).reshape(b, hkv, n_blocks, block, g)
-    codes = jnp.moveaxis(codes, 2, 0)  # [n_blocks, B, Hkv, block, G]
-    table, first = flat_centroids(k_codebook, hkv)
-    first = first[:, None, :]  # [Hkv | 1, 1, G]: codes here are [.., Hkv, block, G]
+    codes = jnp.pad(k_codes, ((0, 0), (0, n_blocks * block - s), (0, 0), (0, 0)))
+    codes = jnp.moveaxis(codes.reshape(b, n_blocks, block, hkv, g), 1, 0)  # [n, B, blk, Hkv, G]
+    table, first = flat_centroids(k_codebook, hkv)  # first [Hkv | 1, G] meets [.., Hkv, G]
     qg = q.astype(jnp.float32).reshape(b, hkv, gq, d) * sm_scale
-    cos_j, sin_j = (x.transpose(1, 0, 2)[None] for x in key_rope.cos_sin(jnp.arange(block)))
+    cos_j, sin_j = (x[None] for x in key_rope.cos_sin(jnp.arange(block)))  # [1, blk, Hkv, D]
 
     def block_scores(xs):  # -> [B, Hkv, gq, block]
         block_codes, i = xs
         keys = jnp.take(table, first + block_codes.astype(jnp.int32), axis=0)
-        keys = keys.reshape(b, hkv, block, d)
+        keys = keys.reshape(b, block, hkv, d)
         qa, qb = key_rope.query_terms(qg, i * block)  # [B, Hkv, gq, D] each
-        return (jnp.einsum("bkjd,bksd->bkjs", qa, keys * cos_j)
-                + jnp.einsum("bkjd,bksd->bkjs", qb, keys * sin_j))
+        return (jnp.einsum("bkjd,bskd->bkjs", qa, keys * cos_j)
+                + jnp.einsum("bkjd,bskd->bkjs", qb, keys * sin_j))
 
     scores = jax.lax.map(block_scores, (codes, jnp.arange(n_blocks)))
     scores = jnp.moveaxis(scores, 0, 3).reshape(b, hkv, gq, n_blocks * block)[..., :s]
-    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
-    weights = masked_softmax_weights(scores, mask)  # [B, Hkv, gq, S]
+    mask = jnp.arange(s)[None, :] < lengths[:, None]
+    if kv_valid is not None:
+        mask &= kv_valid
+    weights = masked_softmax_weights(scores, mask[:, None, None, :])  # [B, Hkv, gq, S]
     vcb = _codebook_for_heads(v_codebook, hkv)
-    per_head = jax.vmap(values_from_codes)  # over KV heads
+    per_head = jax.vmap(values_from_codes, in_axes=(0, 1, 0))  # over KV heads
     return jax.vmap(per_head, in_axes=(0, 0, None))(weights, v_codes, vcb).reshape(b, hq, d)
 
 
-def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B Hkv G S"],
-                           v_codes: UInt8[Array, "B Hkv G S"],
+def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
+                           v_codes: UInt8[Array, "B S Hkv G"],
                            k_codebook: Float[Array, "Hc G K g"],
                            v_codebook: Float[Array, "Hc G K g"],
                            mask: Bool[Array, "B T S"], block: int = 512,
@@ -187,31 +187,31 @@ def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B
     is rotated at its positions before scoring.
     """
     b, t, hq, d = q.shape
-    _, hkv, g, s = k_codes.shape
+    _, s, hkv, g = k_codes.shape
     gs = d // g
     gq = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     block = min(block, s)
     n_blocks = -(-s // block)
     pad = n_blocks * block - s
-    kc = jnp.pad(k_codes, ((0, 0),) * 3 + ((0, pad),)).reshape(b, hkv, g, n_blocks, block)
-    vc = jnp.pad(v_codes, ((0, 0),) * 3 + ((0, pad),)).reshape(b, hkv, g, n_blocks, block)
+    by_block = lambda c: jnp.pad(c, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(  # noqa: E731
+        b, n_blocks, block, hkv, g)
+    kc, vc = by_block(k_codes), by_block(v_codes)  # [B, n, block, Hkv, G]
     mk = jnp.pad(mask, ((0, 0), (0, 0), (0, pad))).reshape(b, t, n_blocks, block)
     qg = q.astype(jnp.float32).reshape(b, t, hkv, gq, d) * sm_scale
     by_group = lambda x: x.reshape(x.shape[:-1] + (g, gs))  # noqa: E731  [..., D] -> [.., G, g]
     if key_rope is not None:
         # R(i * block + j) = R(i * block) R(j): the block's origin rotates the query, and
         # keys only meet cos/sin tables of the block-local offsets j (computed once).
-        cos_j, sin_j = (by_group(x.transpose(1, 0, 2))  # [Hkv, block, G, g]
-                        for x in key_rope.cos_sin(jnp.arange(block)))
+        cos_j, sin_j = (by_group(x) for x in key_rope.cos_sin(jnp.arange(block)))
+        # [block, Hkv, G, g]
 
-    def scores(keys, i):  # keys [B, Hkv, G, block, g] -> [B, Hkv, gq, T, block]
+    def scores(keys, i):  # keys [B, block, Hkv, G, g] -> [B, Hkv, gq, T, block]
         if key_rope is None:
-            return jnp.einsum("btkjgc,bkgsc->bkjts", by_group(qg), keys)
+            return jnp.einsum("btkjgc,bskgc->bkjts", by_group(qg), keys)
         qa, qb = key_rope.query_terms(qg, i * block)  # [B, T, Hkv, gq, D] each
-        kt = keys.transpose(0, 1, 3, 2, 4)  # [B, Hkv, block, G, g]
-        return (jnp.einsum("btkjgc,bksgc->bkjts", by_group(qa), kt * cos_j[None])
-                + jnp.einsum("btkjgc,bksgc->bkjts", by_group(qb), kt * sin_j[None]))
+        return (jnp.einsum("btkjgc,bskgc->bkjts", by_group(qa), keys * cos_j[None])
+                + jnp.einsum("btkjgc,bskgc->bkjts", by_group(qb), keys * sin_j[None]))
 
     def step(carry, xs):
         m_prev, l_prev, acc = carry  # [B, Hkv, gq, T], same, [B, Hkv, gq, T, D]
@@ -223,13 +223,13 @@ def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B
         corr = jnp.exp(jnp.where(jnp.isfinite(m_prev), m_prev - m_safe, -jnp.inf))
         p = jnp.exp(sc - m_safe[..., None])  # masked -> exp(-inf) = 0
         l_next = corr * l_prev + jnp.sum(p, axis=-1)
-        vals = jnp.einsum("bkjts,bkgsc->bkjtgc", p, rebuild(vcb_, v_codebook))
+        vals = jnp.einsum("bkjts,bskgc->bkjtgc", p, rebuild(vcb_, v_codebook))
         acc = corr[..., None] * acc + vals.reshape(acc.shape)
         return (m_next, l_next, acc), None
 
     init = (jnp.full((b, hkv, gq, t), -jnp.inf), jnp.zeros((b, hkv, gq, t)),
             jnp.zeros((b, hkv, gq, t, d)))
-    xs = (jnp.moveaxis(kc, 3, 0), jnp.moveaxis(vc, 3, 0), jnp.moveaxis(mk, 2, 0),
+    xs = (jnp.moveaxis(kc, 1, 0), jnp.moveaxis(vc, 1, 0), jnp.moveaxis(mk, 2, 0),
           jnp.arange(n_blocks))
     (_, l, acc), _ = jax.lax.scan(step, init, xs)
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # empty rows -> 0
@@ -248,16 +248,37 @@ def flat_centroids(codebook: Float[Array, "Hc G K g"], n_kv_heads: int
     return codebook.astype(jnp.float32).reshape(hc * g * k, gs), first
 
 
-def rebuild(codes: UInt8[Array, "B Hkv G S"], codebook: Float[Array, "Hc G K g"]
-            ) -> Float[Array, "B Hkv G S g"]:
-    """Centroids of the codes, in the codes' layout."""
-    table, first = flat_centroids(codebook, codes.shape[1])
-    return jnp.take(table, first[..., None] + codes.astype(jnp.int32), axis=0)
+def rebuild(codes: UInt8[Array, "... Hkv G"], codebook: Float[Array, "Hc G K g"]
+            ) -> Float[Array, "... Hkv G g"]:
+    """Centroids of the codes, in the codes' layout (any leading token axes)."""
+    table, first = flat_centroids(codebook, codes.shape[-2])
+    return jnp.take(table, first + codes.astype(jnp.int32), axis=0)
 
 
-def dequantize(codes: UInt8[Array, "B Hkv G S"], codebook: Float[Array, "Hc G K g"]
+def dequantize(codes: UInt8[Array, "B S Hkv G"], codebook: Float[Array, "Hc G K g"]
                ) -> Float[Array, "B S Hkv D"]:
     """Dense K or V rebuilt from codes. For tests and baselines only: the attention above
     never calls it."""
-    b, hkv, g, s = codes.shape
-    return rebuild(codes, codebook).transpose(0, 3, 1, 2, 4).reshape(b, s, hkv, -1)
+    b, s, hkv, g = codes.shape
+    return rebuild(codes, codebook).reshape(b, s, hkv, -1)
+
+
+def vq_decode_attention_paged(q: Float[Array, "B Hq D"], k_pages: UInt8[Array, "N P Hkv G"],
+                              v_pages: UInt8[Array, "N P Hkv G"],
+                              k_codebook: Float[Array, "Hc G K g"],
+                              v_codebook: Float[Array, "Hc G K g"],
+                              block_table: Int[Array, "B M"], lengths: Int[Array, "B"],
+                              sm_scale: float | None = None, key_rope: KeyRope | None = None,
+                              block: int = 512) -> Float[Array, "B Hq D"]:
+    """`vq_decode_attention_reference` over codes held in pages of P tokens, read through
+    `block_table` (-1 = unmapped: those slots are masked). Slot m * P + j of row b is
+    page block_table[b, m]'s token j, at position m * P + j (pre-RoPE keys)."""
+    k_codes = gather_sequences(k_pages, block_table)  # [B, M*P, Hkv, G]
+    v_codes = gather_sequences(v_pages, block_table)
+    valid = mapped_tokens(block_table, k_pages.shape[1])
+    if key_rope is not None:
+        return vq_decode_attention_pre_rope(q, k_codes, v_codes, k_codebook, v_codebook,
+                                            lengths, key_rope, block, sm_scale, kv_valid=valid)
+    mask = valid & (jnp.arange(k_codes.shape[1])[None, :] < lengths[:, None])
+    return vq_attention_reference(q[:, None], k_codes, v_codes, k_codebook, v_codebook,
+                                  mask[:, None, :], sm_scale)[:, 0]

@@ -8,7 +8,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from kernels_pallas.grouped_matmul import GroupedMatmul
 from research.core.rope import apply_rope, rope_angles  # noqa: F401  (re-exported)
+
+# the MoE FFN's grouped matmul: implementation "auto" = XLA ragged_dot on CPU, the Pallas
+# kernel on TPU (Mosaic) and CUDA, picked per lowering platform (kernels_pallas.dispatch)
+GROUPED_MATMUL = GroupedMatmul()
 
 
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Array:
@@ -49,11 +54,12 @@ def sort_by_expert(expert_ids: Int[Array, "N K"], n_experts: int):
 
 
 def expert_ffn(x_sorted: Float[Array, "M D"], group_sizes: Int[Array, "E"], w_gate: Array,
-               w_up: Array, w_down: Array, matmul=jax.lax.ragged_dot) -> Array:
+               w_up: Array, w_down: Array, matmul=GROUPED_MATMUL) -> Array:
     """SwiGLU of expert-sorted rows with ragged (dropless) group sizes.
 
-    matmul: grouped matmul (lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N];
-      jax.lax.ragged_dot by default.
+    matmul: grouped matmul (lhs [M, K], rhs [E, K, N], group_sizes [E]) -> [M, N]; by
+      default kernels_pallas' platform dispatch: jax.lax.ragged_dot on CPU, the Pallas
+      kernel on TPU and CUDA (chosen when the step is lowered).
     """
     gate = matmul(x_sorted, w_gate, group_sizes)
     up = matmul(x_sorted, w_up, group_sizes)
@@ -61,7 +67,7 @@ def expert_ffn(x_sorted: Float[Array, "M D"], group_sizes: Int[Array, "E"], w_ga
 
 
 def moe_ffn(x: Float[Array, "N D"], p: dict, top_k: int, renormalize: bool,
-            matmul=jax.lax.ragged_dot):
+            matmul=GROUPED_MATMUL):
     """Dropless top-k MoE FFN. Returns (y [N, D], Routing)."""
     n_experts = p["router"].shape[-1]
     routing = route(x, p["router"], top_k, renormalize)

@@ -167,3 +167,44 @@ def test_bad_inputs():
                block_sizes=BlockSizes(8, 100, 8))
     with pytest.raises(ValueError, match="BlockSizes.bm"):
         BlockSizes(bm=0)
+
+
+# -- the platform dispatch (implementation="auto", the default) -------------------------
+def _default_grad_lowering(platform):
+    m, k, n, g = 200, 128, 256, 4
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32))
+    loss = lambda a, b, s: jnp.sum(grouped_matmul(a, b, s).astype(jnp.float32) ** 2)  # noqa
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform,marker", [("tpu", "tpu_custom_call"),
+                                             ("cuda", "__gpu$xla.gpu.triton")])
+def test_default_lowers_to_the_platform_kernel(platform, marker):
+    """forward gmm + backward gmm(rhs^T) and tgmm: three kernels, no ragged_dot left."""
+    text = _default_grad_lowering(platform)
+    assert text.count(marker) >= 3
+    assert "ragged_dot" not in text
+
+
+def test_default_on_cpu_is_xla_and_equals_reference():
+    text = _default_grad_lowering("cpu")
+    assert "custom_call @tpu_custom_call" not in text and "triton" not in text
+    lhs, rhs, gs, dout = _inputs(21, 90, 24, 40, [0, 37, 5, 30, 11])  # 7 rows past groups
+    _check_vjp(jax.jit(grouped_matmul), lhs, rhs, gs, dout, atol=1e-4)
+    np.testing.assert_allclose(jax.jit(grouped_matmul)(lhs, rhs, gs),
+                               gmm_reference(lhs, rhs, gs), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(transposed_grouped_matmul)(lhs, dout, gs),
+                               tgmm_reference(lhs, dout, gs), atol=1e-4, rtol=1e-5)
+
+
+def test_pallas_without_backend_picks_the_platform_kernel():
+    m, k, n, g = 64, 128, 128, 2
+    args = (jax.ShapeDtypeStruct((m, k), jnp.float32),
+            jax.ShapeDtypeStruct((g, k, n), jnp.float32), jax.ShapeDtypeStruct((g,), jnp.int32))
+    fn = jax.jit(functools.partial(grouped_matmul, implementation="pallas"))
+    assert "tpu_custom_call" in fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="applies to implementation='pallas'"):
+        GroupedMatmul("auto", backend="triton")

@@ -18,8 +18,8 @@ def _inputs(seed, b, hkv, gq, n_groups, gs, s, n_codes=16, shared=False):
     hc = 1 if shared else hkv
     return dict(
         q=jnp.asarray(rng.normal(size=(b, hkv * gq, d)), jnp.float32),
-        k_codes=jnp.asarray(rng.integers(0, n_codes, (b, hkv, n_groups, s)), jnp.uint8),
-        v_codes=jnp.asarray(rng.integers(0, n_codes, (b, hkv, n_groups, s)), jnp.uint8),
+        k_codes=jnp.asarray(rng.integers(0, n_codes, (b, s, hkv, n_groups)), jnp.uint8),
+        v_codes=jnp.asarray(rng.integers(0, n_codes, (b, s, hkv, n_groups)), jnp.uint8),
         k_codebook=jnp.asarray(rng.normal(size=(hc, n_groups, n_codes, gs)), jnp.float32),
         v_codebook=jnp.asarray(rng.normal(size=(hc, n_groups, n_codes, gs)), jnp.float32),
         lengths=jnp.asarray(rng.integers(1, s + 1, (b,)), jnp.int32))
@@ -119,8 +119,8 @@ def test_pallas_edge_lengths(backend):
 def _lower(backend, platform, g=8, gs=8):
     b, hkv, gq, s = 2, 3, 3, 1000
     args = (jax.ShapeDtypeStruct((b, hkv * gq, g * gs), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, g, s), jnp.uint8),
-            jax.ShapeDtypeStruct((b, hkv, g, s), jnp.uint8),
+            jax.ShapeDtypeStruct((b, s, hkv, g), jnp.uint8),
+            jax.ShapeDtypeStruct((b, s, hkv, g), jnp.uint8),
             jax.ShapeDtypeStruct((1, g, 256, gs), jnp.float32),
             jax.ShapeDtypeStruct((1, g, 256, gs), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.int32))
@@ -161,3 +161,81 @@ def test_bad_inputs_raise_clear_errors():
         vq_decode_attention(**x, implementation="cuda")
     with pytest.raises(ValueError, match="block_kv"):
         BlockSizes(block_kv=100)
+
+
+# -- the platform dispatch (implementation="auto", the default) --------------------------
+def _default_targets(platform, g=8, gs=8, rope=False):
+    from kernels_pallas.dispatch import custom_call_targets
+    from kernels_pallas.vq_attention import KeyRope
+    b, hkv, gq, s, d = 2, 3, 3, 300, g * gs
+    args = [jax.ShapeDtypeStruct((b, hkv * gq, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, s, hkv, g), jnp.uint8),
+            jax.ShapeDtypeStruct((b, s, hkv, g), jnp.uint8),
+            jax.ShapeDtypeStruct((1, g, 256, gs), jnp.float32),
+            jax.ShapeDtypeStruct((1, g, 256, gs), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.int32)]
+    kw = {}
+    if rope:
+        perm = np.stack([np.random.default_rng(h).permutation(d) for h in range(hkv)])
+        kw["key_rope"] = KeyRope.from_permutation(perm, 10000.0)
+    fn = jax.jit(lambda *a: vq_decode_attention(*a, **kw))
+    return custom_call_targets(fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_default_lowers_to_the_platform_kernel(platform, rope):
+    from kernels_pallas.dispatch import has_pallas_call
+    assert has_pallas_call(_default_targets(platform, rope=rope), platform)
+
+
+def test_default_on_cpu_is_xla_and_equals_reference():
+    from kernels_pallas.vq_attention import vq_decode_attention_reference
+    assert not _default_targets("cpu")
+    x = _inputs(31, 3, 2, 3, 4, 4, 70, n_codes=16)
+    np.testing.assert_allclose(jax.jit(vq_decode_attention)(**x),
+                               vq_decode_attention_reference(**x), rtol=1e-6, atol=1e-6)
+
+
+def test_default_on_cuda_falls_back_to_xla_for_untileable_shapes():
+    from kernels_pallas.dispatch import has_pallas_call
+    assert not has_pallas_call(_default_targets("cuda", g=3, gs=8), "cuda")  # G = 3
+    assert has_pallas_call(_default_targets("tpu", g=3, gs=8), "tpu")
+
+
+# -- paged codes: pages [N, P, Hkv, G] read through a block table ------------------------
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_paged_codes_reference_equals_dense_codes(pre_rope):
+    from kernels_pallas.vq_attention import KeyRope, vq_decode_attention_paged_codes
+    rng = np.random.default_rng(41)
+    b, hkv, gq, g, gs, page, m, n = 3, 2, 3, 4, 4, 8, 5, 17
+    x = _inputs(41, b, hkv, gq, g, gs, m * page, n_codes=16)
+    pages_k = jnp.asarray(rng.integers(0, 16, (n, page, hkv, g)), jnp.uint8)
+    pages_v = jnp.asarray(rng.integers(0, 16, (n, page, hkv, g)), jnp.uint8)
+    table = rng.permutation(n)[:b * m].reshape(b, m).astype(np.int32)
+    table[0, 4] = -1  # unmapped, past row 0's length
+    lengths = jnp.asarray([4 * page - 3, m * page, 2 * page + 1], jnp.int32)  # ragged
+    kw = {}
+    if pre_rope:
+        perm = np.stack([rng.permutation(g * gs) for _ in range(hkv)])
+        kw["key_rope"] = KeyRope.from_permutation(perm, 10000.0)
+    got = vq_decode_attention_paged_codes(x["q"], pages_k, pages_v, x["k_codebook"],
+                                          x["v_codebook"], jnp.asarray(table), lengths, **kw)
+    dense = lambda p: jnp.asarray(  # noqa: E731  row b's pages end to end
+        np.asarray(p)[np.maximum(table, 0)].reshape(b, m * page, hkv, g))
+    want = vq_decode_attention(x["q"], dense(pages_k), dense(pages_v), x["k_codebook"],
+                               x["v_codebook"], lengths, implementation="xla", **kw)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    if not pre_rope:  # an unmapped page inside a row's length is masked, not page 0
+        table[1, 2] = -1
+        got = vq_decode_attention_paged_codes(x["q"], pages_k, pages_v, x["k_codebook"],
+                                              x["v_codebook"], jnp.asarray(table), lengths)
+        mask = np.arange(m * page)[None] < np.asarray(lengths)[:, None]
+        mask[1, 2 * page:3 * page] = False
+        want = vq_attention_reference(x["q"][:, None], dense(pages_k), dense(pages_v),
+                                      x["k_codebook"], x["v_codebook"],
+                                      jnp.asarray(mask)[:, None])[:, 0]
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="block_table"):
+        vq_decode_attention_paged_codes(x["q"], pages_k, pages_v, x["k_codebook"],
+                                        x["v_codebook"], jnp.asarray(table[:2]), lengths)

@@ -68,8 +68,8 @@ def _inputs(seed, b, hkv, gq, n_groups, gs, s, n_codes, shared):
     perm = _perms(rng, hkv, d)
     return perm, dict(
         q=jnp.asarray(rng.normal(size=(b, hkv * gq, d)), jnp.float32),
-        k_codes=jnp.asarray(rng.integers(0, n_codes, (b, hkv, n_groups, s)), jnp.uint8),
-        v_codes=jnp.asarray(rng.integers(0, n_codes, (b, hkv, n_groups, s)), jnp.uint8),
+        k_codes=jnp.asarray(rng.integers(0, n_codes, (b, s, hkv, n_groups)), jnp.uint8),
+        v_codes=jnp.asarray(rng.integers(0, n_codes, (b, s, hkv, n_groups)), jnp.uint8),
         k_codebook=jnp.asarray(rng.normal(size=(hc, n_groups, n_codes, gs)), jnp.float32),
         v_codebook=jnp.asarray(rng.normal(size=(hc, n_groups, n_codes, gs)), jnp.float32),
         lengths=jnp.asarray(rng.integers(1, s + 1, (b,)), jnp.int32),
@@ -134,8 +134,8 @@ def _lower(backend, platform):
     b, hkv, gq, g, gs, s = 2, 3, 3, 8, 8, 1000
     perm = _perms(np.random.default_rng(0), hkv, g * gs)
     args = (jax.ShapeDtypeStruct((b, hkv * gq, g * gs), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, g, s), jnp.uint8),
-            jax.ShapeDtypeStruct((b, hkv, g, s), jnp.uint8),
+            jax.ShapeDtypeStruct((b, s, hkv, g), jnp.uint8),
+            jax.ShapeDtypeStruct((b, s, hkv, g), jnp.uint8),
             jax.ShapeDtypeStruct((hkv, g, 256, gs), jnp.float32),
             jax.ShapeDtypeStruct((hkv, g, 256, gs), jnp.float32),
             jax.ShapeDtypeStruct((b,), jnp.int32),

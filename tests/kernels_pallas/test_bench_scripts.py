@@ -1,0 +1,49 @@
+"""The GPU benchmark scripts and the prepared GPU run import and do their shape and byte
+bookkeeping on the CPU (--dry-run: tiny sizes, XLA paths), so a device session finds them
+working."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_paged_attention_gpu as paged_bench  # noqa: E402
+import bench_vq_attention_gpu as vq_bench  # noqa: E402
+import gpu_check  # noqa: E402
+
+
+def test_gpu_check_dry_run_runs_both_attention_benches(tmp_path):
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["sections"]) == set(gpu_check.DRY_SECTIONS)
+    for name in gpu_check.DRY_SECTIONS:
+        rows = report["sections"][name]["rows"]
+        assert {r["shape"] for r in rows} == set(vq_bench.SHAPES)
+        for r in rows:
+            assert r["max_abs_err"] < 1e-2  # "auto" on CPU is the reference itself
+            assert r["kernel_ms"] > 0 and 0 < r["kernel_hbm_roofline_frac"] < 1
+            assert r["bf16_over_kernel"] == pytest.approx(r["bf16_ms"] / r["kernel_ms"])
+    vq = report["sections"]["bench_vq"]["rows"][0]  # smollm2, batch 2, 40 tokens
+    hq, hkv, d = vq_bench.SHAPES["smollm2_layer"]
+    g, k = d // vq_bench.GROUP, vq_bench.CENTROIDS
+    q_bytes = 2 * hq * d * 2  # bf16
+    assert vq["bytes"]["bf16"] == 2 * (2 * 40 * hkv * d) * 2 + q_bytes  # K and V, bf16
+    # codes (1 byte per token, head, group) + f32 codebooks + q + int32 lengths
+    assert vq["bytes"]["kernel"] == 2 * (2 * 40 * hkv * g) + 2 * hkv * d * k * 4 + q_bytes + 8
+
+
+def test_paged_bench_main_and_bad_shape(tmp_path):
+    out = tmp_path / "paged.json"
+    assert paged_bench.main(["--dry-run", "--shapes", "smollm2_layer", "--page", "8",
+                             "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["page"] for r in rows] == [8]
+    hq, hkv, d = vq_bench.SHAPES["smollm2_layer"]
+    assert rows[0]["pool_bytes"] == 2 * (2 * 5 * 8 * hkv * d) * 2  # 5 pages of 8 a row
+    with pytest.raises(SystemExit, match="unknown 'gpt5'"):
+        vq_bench.parse_args(["--shapes", "gpt5"])
+    with pytest.raises(SystemExit, match="unknown"):
+        gpu_check.main(["--dry-run", "--sections", "check_vq"])
