@@ -60,3 +60,48 @@ def test_megaflux_layer_default_lowers_to_the_grouped_matmul_kernel(platform):
     targets = custom_call_targets(fn.trace(x, p).lower(lowering_platforms=(platform,))
                                   .as_text())
     assert has_pallas_call(targets, platform), targets
+
+
+# -- the KV caches' decode step ----------------------------------------------------------
+DECODE_CONFIG = tiny_config(dim=64, n_heads=4, n_kv_heads=2, head_dim=16)
+
+
+def _vq_codec_model():
+    """A 1-bit VQ codec (TaSQ's, random codebooks: 8 channels per code, 256 centroids)."""
+    from research.kv.dense import DenseKVCache
+    from research.tasq.vq import VQCodec
+    rng = np.random.default_rng(0)
+    books = lambda: rng.normal(size=(2, 2, 256, 8)).astype(np.float32)  # noqa: E731
+    perm = lambda: np.stack([rng.permutation(16) for _ in range(2)])  # noqa: E731
+    codec = VQCodec.create(books(), books(), perm(), perm(), label="tasq")
+    model = make_model(DECODE_CONFIG, init_params(DECODE_CONFIG, jax.random.key(0)))
+    return model.replace(caches=(DenseKVCache(codec),) * DECODE_CONFIG.n_layers)
+
+
+def _paged_model():
+    from research.kv.paged import paged_kv_cache
+    model = make_model(DECODE_CONFIG, init_params(DECODE_CONFIG, jax.random.key(0)))
+    return paged_kv_cache(block_size=16).apply(model, None)
+
+
+def _decode_targets(model, platform):
+    """Custom calls of one jitted decode step (one new token per row, 64 cached)."""
+    states = jax.eval_shape(lambda: model.init_cache(2, 64))
+    tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    pos = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = jax.jit(lambda m, t, s, p: forward(m, t, cache_states=s, start=p,
+                                            logits="last").logits)
+    return custom_call_targets(fn.trace(model, tok, states, pos).lower(
+        lowering_platforms=(platform,)).as_text())
+
+
+@pytest.mark.parametrize("make", [_vq_codec_model, _paged_model], ids=["tasq", "paged"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_decode_step_lowers_to_the_pallas_kernel_by_default(make, platform):
+    assert has_pallas_call(_decode_targets(make(), platform), platform)
+
+
+@pytest.mark.parametrize("make", [_vq_codec_model, _paged_model], ids=["tasq", "paged"])
+def test_decode_step_on_cpu_is_xla(make):
+    targets = _decode_targets(make(), "cpu")
+    assert not has_pallas_call(targets, "tpu") and not has_pallas_call(targets, "cuda")

@@ -122,7 +122,7 @@ def time_decode(caches: dict, model_config, context: int, batch: int, warmup: in
     k = jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=kv_shape), jnp.bfloat16)
     g = next(iter(caches.values())).key_codebook.shape[1]
-    codes = (batch, c.n_kv_heads, g, context)
+    codes = (batch, context, c.n_kv_heads, g)
     kc = jnp.asarray(rng.integers(0, 256, codes), jnp.uint8)
     vc = jnp.asarray(rng.integers(0, 256, codes), jnp.uint8)
     lengths = jnp.full((batch,), context, jnp.int32)
@@ -130,11 +130,10 @@ def time_decode(caches: dict, model_config, context: int, batch: int, warmup: in
     reads = {"bf16": lambda: dense_fn(q, k, v, lengths)}
     steps = {"bf16": _decode_step(DenseKVCache(FloatCodec("bfloat16")), {"k": k, "v": v}, c,
                                   batch, context, rng)}
-    token_major = {"k_codes": jnp.moveaxis(kc, -1, 1), "v_codes": jnp.moveaxis(vc, -1, 1)}
     for name, cache in caches.items():
         fn = _code_reader(cache)
         reads[name] = lambda fn=fn: fn(q, kc, vc, lengths)
-        steps[name] = _decode_step(DenseKVCache(cache), token_major, c, batch, context, rng)
+        steps[name] = _decode_step(DenseKVCache(cache), {"k_codes": kc, "v_codes": vc}, c, batch, context, rng)
     read = interleaved_medians(reads, warmup, repeats)
     step = interleaved_medians(steps, warmup, repeats)
     out = {"context": context, "bf16_bytes": int(k.nbytes + v.nbytes),

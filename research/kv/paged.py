@@ -32,14 +32,14 @@ import numpy as np
 from flax import struct
 from jaxtyping import Array, Int
 
-from kernels_pallas.paged_attention.api import paged_decode_attention
+from kernels_pallas.dispatch import IMPLEMENTATIONS
+from kernels_pallas.paged_attention.api import BACKENDS, paged_decode_attention
 from research.core.transform import Transform
 from research.kv.base import KVCache, check_codec, poison_rows
 from research.kv.codec import FloatCodec, KVCodec, KVView
 from research.kv.dense import DenseKVCache
 from research.kv.window import WindowKVCache
 
-IMPLEMENTATIONS = ("xla", "pallas")
 TABLE = "block_table"
 
 
@@ -47,18 +47,20 @@ TABLE = "block_table"
 class PagedKVCache(KVCache):
     """Block-table layout over any codec. `n_blocks=0` sizes the pool for `batch` rows.
 
-    implementation: "xla" gathers each row's pages and lets the codec attend (the
-      reference); "pallas" runs `kernels_pallas.paged_attention` on single-token decode
-      steps of the float codec, the gather path otherwise.
-    backend: the Pallas kernel's target, "tpu" (Mosaic) or "triton" (GPU).
+    implementation: single-token decode steps of the float codec go through
+      `kernels_pallas.paged_attention` with this choice: "auto" (default: XLA on CPU, the
+      Pallas kernel on TPU and GPU, chosen at lowering), "xla" or "pallas". Other codecs
+      and prefill chunks gather each row's pages and let the codec attend.
+    backend: with "pallas" only, force the kernel: None (the platform's), "mosaic_tpu"
+      or "triton".
     interpret: run the Pallas kernel in interpret mode (CPU); explicit, never guessed.
     """
 
     codec: KVCodec = FloatCodec()
     block_size: int = struct.field(pytree_node=False, default=16)
     n_blocks: int = struct.field(pytree_node=False, default=0)
-    implementation: str = struct.field(pytree_node=False, default="xla")
-    backend: str = struct.field(pytree_node=False, default="tpu")
+    implementation: str = struct.field(pytree_node=False, default="auto")
+    backend: str | None = struct.field(pytree_node=False, default=None)
     interpret: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
@@ -68,8 +70,9 @@ class PagedKVCache(KVCache):
         if self.n_blocks < 0:
             raise ValueError(f"n_blocks must be >= 0 (0 = one private region per row), "
                              f"got {self.n_blocks}")
-        if self.backend not in ("tpu", "triton"):
-            raise ValueError(f"backend must be 'tpu' or 'triton', got {self.backend!r}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got "
+                             f"{self.backend!r}")
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
                              f"got {self.implementation!r}")
@@ -93,11 +96,11 @@ class PagedKVCache(KVCache):
         pools = write_records(pools_of(state), table, self.codec.encode(k, v, q_pos),
                               q_pos, jnp.arange(t)[None, :] < n_new[:, None])
         lengths = start + n_new
-        if self.implementation == "pallas" and t == 1 and isinstance(self.codec, FloatCodec):
+        if self.implementation != "xla" and t == 1 and isinstance(self.codec, FloatCodec):
             out = paged_decode_attention(
-                q[:, 0], jnp.moveaxis(pools["k"], 2, 0), jnp.moveaxis(pools["v"], 2, 0),
-                table, lengths, window=window, implementation="pallas",
-                backend=self.backend, interpret=self.interpret)[:, None]
+                q[:, 0], pools["k"], pools["v"], table, lengths, window=window,
+                implementation=self.implementation, backend=self.backend,
+                interpret=self.interpret)[:, None]
         else:
             out = self.codec.attend(q, gather_view(pools, table, q_pos, lengths, window))
         out = poison_rows(out, self.codec.check_finite(k, v))
@@ -107,7 +110,7 @@ class PagedKVCache(KVCache):
         return self.blocks_per_seq(max_len) * self.block_size
 
     def describe(self):
-        impl = "" if self.implementation == "xla" else f",{self.implementation}"
+        impl = "" if self.implementation == "auto" else f",{self.implementation}"
         return f"paged{self.block_size}[{self.codec.describe()}{impl}]"
 
 
@@ -182,8 +185,8 @@ def copy_pool_blocks(pools, src: Int[Array, "C"], dst: Int[Array, "C"]):
     return jax.tree.map(copy, pools)
 
 
-def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str = "xla",
-                   interpret: bool = False, backend: str = "tpu") -> Transform:
+def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str = "auto",
+                   interpret: bool = False, backend: str | None = None) -> Transform:
     """Transform: every layer's records move into pages, each layer keeping its codec.
 
     Dense and window layers keep their codec (a window layer's pages hold the whole

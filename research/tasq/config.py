@@ -43,7 +43,7 @@ class TaSQConfig:
     max_points: int = 8192  # k-means points per problem (random subset beyond this)
     min_scale: float = 0.05  # per-channel scales are clipped to [min_scale, 1/min_scale] x mean
     seed: int = 0
-    implementation: str = "xla"
+    implementation: str = "auto"
     interpret: bool = False
     key_space: str = "post_rope"
 
@@ -61,8 +61,8 @@ class TaSQConfig:
         if self.key_space not in ("post_rope", "pre_rope"):
             raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got "
                              f"{self.key_space!r}")
-        if self.implementation not in ("xla", "pallas"):
-            raise ValueError(f"implementation must be 'xla' or 'pallas', got "
+        if self.implementation not in ("auto", "xla", "pallas"):
+            raise ValueError(f"implementation must be 'auto', 'xla' or 'pallas', got "
                              f"{self.implementation!r}")
 
     @property

@@ -33,8 +33,8 @@ from kernels_pallas.vq_attention.rope import KeyRope
 from research.core.attention import attend
 from research.core.rope import apply_rope
 from research.kv.codec import KVCodec
-from research.tasq.vq import (IMPLEMENTATIONS, check_kv_finite, codes_last, encode,
-                              inverse_permutation, permute_channels)
+from kernels_pallas.dispatch import IMPLEMENTATIONS
+from research.tasq.vq import check_kv_finite, encode, inverse_permutation, permute_channels
 
 
 @struct.dataclass
@@ -49,8 +49,8 @@ class CQCodec(KVCodec):
     label: str = struct.field(pytree_node=False, default="cq")
     # as VQCodec: raise on NaN/inf K/V inside jit too
     check_finite_in_jit: bool = struct.field(pytree_node=False, default=False)
-    # "pallas": the kernel for decode steps
-    implementation: str = struct.field(pytree_node=False, default="xla")
+    # decode steps: "auto" (XLA on CPU, the Pallas kernel on TPU/GPU), "xla" or "pallas"
+    implementation: str = struct.field(pytree_node=False, default="auto")
     interpret: bool = struct.field(pytree_node=False, default=False)
     # keys rebuilt per step of the XLA readers
     block: int = struct.field(pytree_node=False, default=512)
@@ -83,14 +83,14 @@ class CQCodec(KVCodec):
             k, v = self.decode(view.records, view.kv_pos)
             return attend(q, k, v, view.q_pos, view.kv_pos, view.kv_valid, view.window)
         t, d = q.shape[1], q.shape[3]
-        k_codes, v_codes = (codes_last(view.records[n]) for n in ("k_codes", "v_codes"))
+        k_codes, v_codes = view.records["k_codes"], view.records["v_codes"]  # [B, S, Hkv, G]
         key_rope = self.key_rope(d)
         qp = permute_channels(q, self._key_order(d))
         if t == 1 and view.window is None:  # decode step: the Pallas kernel or two passes
             codes = (qp[:, 0], k_codes, v_codes, self.key_codebook, self.value_codebook,
                      view.lengths)
-            if self.implementation == "pallas":
-                out = vq_decode_attention(*codes, implementation="pallas",
+            if self.implementation != "xla":
+                out = vq_decode_attention(*codes, implementation=self.implementation,
                                           interpret=self.interpret, key_rope=key_rope)
             else:
                 out = vq_decode_attention_pre_rope(*codes, key_rope, self.block)
@@ -104,9 +104,9 @@ class CQCodec(KVCodec):
     def decode(self, records, positions):
         """Dense post-RoPE K and V (the ring layout's reader; positional layouts never
         build them)."""
-        k_pre = self._unpermute(dequantize(codes_last(records["k_codes"]), self.key_codebook),
+        k_pre = self._unpermute(dequantize(records["k_codes"], self.key_codebook),
                                 self.key_perm)
-        v = self._unpermute(dequantize(codes_last(records["v_codes"]), self.value_codebook),
+        v = self._unpermute(dequantize(records["v_codes"], self.value_codebook),
                             self.value_perm)
         return apply_rope(k_pre, positions, self.rope_theta), v
 

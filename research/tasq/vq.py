@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
+from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.vq_attention.api import validate_codes_and_codebooks, vq_decode_attention
 from kernels_pallas.vq_attention.reference import vq_attention_blockwise, vq_attention_reference
 from research.kv.codec import KVCodec
 from flax import struct
 
-IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def nearest(d: Float[Array, "K N"]) -> tuple[Array, Array]:
@@ -80,11 +80,6 @@ def inverse_permutation(perm: Int[Array, "H D"]) -> Int[Array, "H D"]:
     return jnp.argsort(perm, axis=-1).astype(jnp.int32)
 
 
-def codes_last(codes: UInt8[Array, "B S H G"]) -> UInt8[Array, "B H G S"]:
-    """Token-major record codes in the [B, Hkv, G, S] layout the VQ readers take."""
-    return jnp.moveaxis(codes, 1, -1)
-
-
 def _raise_if_nonfinite(bad, name: str, where: str) -> None:
     if bad:
         raise ValueError(f"{name} contains NaN or inf ({where}); a VQ code cannot represent it")
@@ -110,8 +105,10 @@ class VQCodec(KVCodec):
 
     key_codebook / value_codebook: [Hc, G, K, g] (Hc = 1: shared by all KV heads).
     key_perm / value_perm: [Hkv, D] int32; codec channel c of head h holds channel perm[h, c].
-    implementation: "xla" (reference) or "pallas" (kernel for single-token decode steps
-      in a positional layout).
+    implementation: single-token decode steps in a positional layout go through
+      `kernels_pallas.vq_attention` with this choice: "auto" (default: XLA on CPU, the
+      Pallas kernel on TPU and GPU, chosen at lowering), "xla" (the lookup-table
+      reference for every chunk) or "pallas".
     check_finite_in_jit: raise on NaN/inf K/V inside jit too (a host callback per call). Without
       it, rows whose new K/V are not finite get NaN outputs, never a silently wrong code.
     """
@@ -120,7 +117,7 @@ class VQCodec(KVCodec):
     value_codebook: Array
     key_perm: Array
     value_perm: Array
-    implementation: str = struct.field(pytree_node=False, default="xla")
+    implementation: str = struct.field(pytree_node=False, default="auto")
     interpret: bool = struct.field(pytree_node=False, default=False)
     check_finite_in_jit: bool = struct.field(pytree_node=False, default=False)
     label: str = struct.field(pytree_node=False, default="vq")
@@ -166,8 +163,8 @@ class VQCodec(KVCodec):
 
     def _check_layout(self, n_kv_heads: int, head_dim: int) -> None:
         validate_codes_and_codebooks(
-            jax.ShapeDtypeStruct((1, n_kv_heads, self.n_groups, 1), jnp.uint8),
-            jax.ShapeDtypeStruct((1, n_kv_heads, self.n_groups, 1), jnp.uint8),
+            jax.ShapeDtypeStruct((1, 1, n_kv_heads, self.n_groups), jnp.uint8),
+            jax.ShapeDtypeStruct((1, 1, n_kv_heads, self.n_groups), jnp.uint8),
             self.key_codebook, self.value_codebook, n_kv_heads, head_dim)
         for name, p in (("key_perm", self.key_perm), ("value_perm", self.value_perm)):
             if p.shape[1] != head_dim or p.shape[0] not in (1, n_kv_heads):
@@ -189,17 +186,18 @@ class VQCodec(KVCodec):
 
     def attend(self, q, view):
         t, hkv = q.shape[1], self.key_perm.shape[0]
-        k_codes, v_codes = (codes_last(view.records[n]) for n in ("k_codes", "v_codes"))
+        k_codes, v_codes = view.records["k_codes"], view.records["v_codes"]  # [B, S, Hkv, G]
         qp = permute_channels(q, self.key_perm)
-        if (self.implementation == "pallas" and view.positional and t == 1
+        if (self.implementation != "xla" and view.positional and t == 1
                 and view.window is None):
             out = vq_decode_attention(qp[:, 0], k_codes, v_codes, self.key_codebook,
                                       self.value_codebook, view.lengths,
-                                      implementation="pallas", interpret=self.interpret)
+                                      implementation=self.implementation,
+                                      interpret=self.interpret)
             out = out[:, None].astype(jnp.float32)
         else:
             attn = (vq_attention_reference
-                    if self.use_lookup_tables(t, q.shape[2] // hkv, k_codes.shape[-1])
+                    if self.use_lookup_tables(t, q.shape[2] // hkv, k_codes.shape[1])
                     else vq_attention_blockwise)
             out = attn(qp, k_codes, v_codes, self.key_codebook, self.value_codebook,
                        view.mask())

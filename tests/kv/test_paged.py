@@ -134,3 +134,13 @@ def test_state_bytes_scale_with_pool_not_batch(tiny):
 def test_dense_cache_codec_is_kept(tiny):
     m = _paged(tiny.replace(caches=(DenseKVCache(FloatCodec("bfloat16")),) * 2))
     assert all(c.codec == FloatCodec("bfloat16") for c in m.caches)
+
+
+def test_paged_cache_with_pallas_decode_generates_like_xla(tiny):
+    """The Pallas paged kernel (interpret mode) on the decode steps of `generate`."""
+    prompts = [[5, 9, 11, 3, 7], [2, 4, 8]]
+    outs = []
+    for impl in ("xla", "pallas"):
+        model = _paged(tiny, block_size=4, implementation=impl, interpret=True)
+        outs.append(generate(model, prompts, max_new_tokens=6).tokens)
+    assert outs[0] == outs[1]

@@ -8,7 +8,7 @@ import pytest
 from kernels_pallas.vq_attention.reference import dequantize
 from research.kv.base import state_nbytes
 from research.kv.dense import DenseKVCache
-from research.tasq.vq import VQCodec, codes_last, encode, inverse_permutation, permute_channels
+from research.tasq.vq import VQCodec, encode, inverse_permutation, permute_channels
 
 B, HQ, HKV, D, G, K = 2, 4, 2, 16, 2, 32
 
@@ -33,7 +33,7 @@ def _decoded(cache, state, name):
     codec = cache.codec
     cb = codec.key_codebook if name == "k" else codec.value_codebook
     perm = codec.key_perm if name == "k" else codec.value_perm
-    x = dequantize(codes_last(state[f"{name}_codes"]), cb)  # codec order [B, S, H, D]
+    x = dequantize(state[f"{name}_codes"], cb)  # codec order [B, S, H, D]
     return permute_channels(x, inverse_permutation(perm))
 
 

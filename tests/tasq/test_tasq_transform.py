@@ -94,7 +94,7 @@ def test_pre_rope_key_space_codes_unrotated_keys(model16, calib):
     assert 0 < err < 1.5
     pallas = apply_state(model16, dataclasses.replace(
         st, config=dataclasses.replace(cfg, implementation="pallas", interpret=True)))
-    assert all(c.implementation == "pallas" for c in pallas.caches)
+    assert all(c.codec.implementation == "pallas" for c in pallas.caches)
     prompts = [list(range(3, 20)), [5, 6, 7]]
     assert (generate(pallas, prompts, max_new_tokens=4).tokens
             == generate(m, prompts, max_new_tokens=4).tokens)
