@@ -23,7 +23,8 @@ from research.tasq import TaSQConfig, plain_vq, tasq
 from research.tasq.baselines import cq_style, int8_kv, kivi_kv, sign_kv
 from research.tasq.metrics import (attention_output_error, bits_per_channel,
                                    cache_param_bytes, max_batch_with_codebooks)
-from research.transforms import CalibrationData, calibrate_and_apply, chain, kv_cache_dtype
+from research.model.precision import kv_cache_dtype
+from research.transforms import CalibrationData, calibrate_and_apply, chain
 
 BF16 = "bf16"
 TASQ = "TaSQ (1 bit)"

@@ -52,7 +52,7 @@ CELLS = [
         "from research.kv import memory\n"
         "from research.tasq.metrics import bits_per_channel, cache_param_bytes, "
         "max_batch_with_codebooks\n"
-        "from research.transforms import kv_cache_dtype\n"
+        "from research.model.precision import kv_cache_dtype\n"
         "bf16_model, _ = calibrate_and_apply(kv_cache_dtype('bfloat16'), model, None)\n"
         "budget, ctx = 16 * memory.GiB, 4096\n"
         "for name, m in [('bf16', bf16_model), ('TaSQ 1-bit', tasq_model)]:\n"

@@ -36,7 +36,7 @@ from research.kv.base import KVCache
 from research.kv.dense import DenseKVCache
 from research.eviction.policies import ScoreInputs, make_policy
 from research.kv.window import WindowKVCache
-from research.core.transform import Transform
+from research.transforms import Transform
 
 
 def _is_concrete_number(x) -> bool:

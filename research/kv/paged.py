@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from kernels_pallas.paged_attention.api import paged_decode_attention
 from kernels_pallas.paged_attention.reference import paged_attention_reference
 from flax import struct
-from research.core.transform import Transform
+from research.transforms import Transform
 from research.kv.base import KVCache
 
 IMPLEMENTATIONS = ("xla", "pallas")

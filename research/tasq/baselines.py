@@ -25,7 +25,7 @@ from research.tasq.config import CODE_BITS
 from research.tasq.fingerprint import check_fingerprint, model_fingerprint
 from research.tasq.kmeans import kmeans
 from research.tasq.stats import collect
-from research.transforms import CalibrationData, Transform
+from research.transforms import CalibrationData, Transform, stateless
 
 
 def _replace_caches(model: Model, make, tag: str) -> Model:
@@ -34,8 +34,7 @@ def _replace_caches(model: Model, make, tag: str) -> Model:
 
 
 def int8_kv() -> Transform:
-    return Transform(lambda model, data: (),
-                     lambda model, state: _replace_caches(model, lambda i: Int8KVCache(),
+    return stateless(lambda model, state: _replace_caches(model, lambda i: Int8KVCache(),
                                                           "kv-int8"), "int8")
 
 
@@ -48,7 +47,7 @@ def kivi_kv(bits: int = 2, key_group: int = 32, value_group: int = 32,
             bits=bits, key_group=key_group, value_group=value_group, residual=residual),
             f"kivi{bits}")
 
-    return Transform(lambda model, data: (), apply, f"kivi({bits}b)")
+    return stateless(apply, f"kivi({bits}b)")
 
 
 def sign_kv(seed: int = 0) -> Transform:
@@ -58,7 +57,7 @@ def sign_kv(seed: int = 0) -> Transform:
         return _replace_caches(model, lambda i: SignKVCache(
             gaussian_projection(keys[i], c.n_kv_heads, c.head_dim)), "sign")
 
-    return Transform(lambda model, data: (), apply, "sign(1b)")
+    return stateless(apply, "sign(1b)")
 
 
 @struct.dataclass
