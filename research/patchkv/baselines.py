@@ -147,7 +147,9 @@ class RefitKVCache(KVCache):
 
     Eviction picks the same slots for the same context, so the refit arrays (made from a
     prefill of it) land on the slots they were fit for. Only a context chunk (start 0,
-    more than one token) is rewritten; queries and decode steps append as `inner` does.
+    more than one token, a batch of as many rows as the refit contexts) is rewritten;
+    queries and decode steps append as `inner` does. It serves the context(s) it was fit
+    on, like a PatchKV patch.
     """
 
     inner: EvictingKVCache
@@ -160,11 +162,10 @@ class RefitKVCache(KVCache):
     def update_and_attend(self, state, q, k, v, *, start, n_new, window):
         out, new = self.inner.update_and_attend(state, q, k, v, start=start, n_new=n_new,
                                                 window=window)
-        if q.shape[1] == 1:  # a decode step never prefills a context
+        if q.shape[1] == 1 or new["v"].shape[0] != self.v.shape[0]:
+            # a decode step, or a batch of query rows over tiled context caches (as the
+            # patch fits run them): no row is a prefill of the refit context(s)
             return out, new
-        if new["v"].shape[0] != self.v.shape[0]:
-            raise ValueError(f"the refit cache holds {self.v.shape[0]} context(s); it was "
-                             f"prefilled with a batch of {new['v'].shape[0]}")
         m = min(new["v"].shape[1], self.v.shape[1])
         is_context = (start == 0)[:, None, None]
         refit_v = jnp.where(is_context[..., None], self.v[:, :m].astype(new["v"].dtype),
