@@ -361,7 +361,7 @@ def make_plot(rows, config):
         for i, (key, label) in enumerate(metrics):
             ax = fig.add_subplot(1, 2, i + 1)
             for name in config.compressions:
-                for method, style in zip(config.methods,
+                for method, style in zip(map(method_name, config.methods),
                                          itertools.cycle(("-", "-", "--", ":", "-."))):
                     pts = [(r["budget"], r[key]) for r in rows if r["compression"] == name
                            and r["method"] == method and key in r]

@@ -56,7 +56,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         context_len=512 if small else 1024, max_new_tokens=6,
         # ProbeConfig overrides for these chat contexts (research.patchkv.probes): 64
         # context repeats in place of the text rows. Chosen on dev retrieval contexts
-        # (seeds 1000+; `python -m experiments.patchkv.dev_retrieval`): with the W_down
+        # (seeds 1000+; `python -m experiments.patchkv.dev.retrieval`): with the W_down
         # patch, rows that re-read the fact paragraphs store the evicted codes (answer
         # log-prob -8.5 -> -3.1 at SnapKV 10%), while 128 text rows, alone or with 32
         # repeats mixed in, dilute them and change no answer; sampled replies changed none
@@ -64,7 +64,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         probes={"n_text": 0, "n_repeat": 64}))
     # Probe mix, ridge selection, fit target and strength grid were chosen on a dev split
     # (2 continuation contexts at held-out tokens 4096 and 8333, disjoint from the test
-    # contexts; `python -m experiments.patchkv.dev_sweep`), gap closed on dev (SnapKV
+    # contexts; `python -m experiments.patchkv.dev.sweep`), gap closed on dev (SnapKV
     # 10/25%, StreamingLLM 10/25%, TaSQ 1-bit):
     #   16 generated + 16 context repeats (first default): 33 / 2 / 50 / 69 / -10%
     #   32 generated, no repeats, holdout:                 82 / 101 / 73 / 79 / -39%

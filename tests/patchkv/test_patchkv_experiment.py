@@ -48,7 +48,7 @@ def test_claims_of_a_retrieval_only_run_score_retrieval_only():
 
 def test_dev_contexts_are_disjoint_from_the_small_test_contexts():
     import numpy as np
-    from experiments.patchkv.dev_sweep import overlaps
+    from experiments.patchkv.dev.sweep import overlaps
     from research.patchkv import tasks
     ids = np.arange(12570)  # the held-out split's length in SmolLM2 tokens
     cc = get_config("small").continuation
