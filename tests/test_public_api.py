@@ -20,6 +20,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TECHNIQUES = ("tasq", "patchkv", "eviction", "megaflux", "specscale", "specdecode", "moe")
 GENERATORS = ("scripts/make_notebooks.py", "experiments/*/make_notebook.py")
+# Known violations another change is removing (each with who fixes it); the last test
+# fails once one is gone, so the entry is dropped with the fix.
+PENDING = {
+    ("research/patchkv/layerwise.py", "research.model.llama._block"):
+        "llama's _block / _ffn become public (block / ffn) in another branch",
+    ("research/patchkv/layerwise.py", "research.model.llama._ffn"):
+        "llama's _block / _ffn become public (block / ffn) in another branch",
+    ("research/specscale/engine.py", "research.kv.paged._copy_pool_blocks"):
+        "the KV refactor (research/kv/paged.py, research/specscale/engine.py) owns both",
+    ("scripts/gpu_check.py", "kernels_pallas.grouped_matmul.kernel._compiler_params"):
+        "the kernels branch owns kernels_pallas/grouped_matmul",
+}
 
 
 def _is_module(dotted: str) -> bool:
@@ -123,10 +135,22 @@ def _sources():
                        _notebook_code("".join(cell["source"])), "", True)
 
 
+def _pending(where: str, violation: str) -> bool:
+    return any(where == path and violation.endswith(name) for path, name in PENDING)
+
+
 def test_nothing_reaches_past_a_front_door():
     bad = [f"{where}: {v}" for where, source, module, strict in _sources()
-           for v in violations(source, module, strict)]
+           for v in violations(source, module, strict) if not _pending(where, v)]
     assert not bad, "\n".join(bad)
+
+
+def test_every_pending_violation_is_still_there():
+    found = {(where, v) for where, source, module, strict in _sources()
+             for v in violations(source, module, strict)}
+    for path, name in PENDING:
+        assert any(w == path and v.endswith(name) for w, v in found), (
+            f"{path} no longer uses {name}: remove it from PENDING")
 
 
 def test_the_scan_covers_generators_and_notebooks():
