@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from research.kv.codec import FloatCodec
 from research.eval.perplexity import perplexity
 from research.kv.dense import DenseKVCache
 from research.model.precision import kv_cache_dtype, weights_dtype
@@ -53,7 +54,7 @@ def test_chain_state_length_checked(tiny):
 
 def test_kv_cache_dtype(tiny):
     model, _ = calibrate_and_apply(kv_cache_dtype("bfloat16"), tiny, None)
-    assert all(c == DenseKVCache("bfloat16") for c in model.caches)
+    assert all(c == DenseKVCache(FloatCodec("bfloat16")) for c in model.caches)
     assert model.init_cache(1, 4)[0]["k"].dtype == jnp.bfloat16
     ids = np.random.default_rng(0).integers(0, 97, 33)
     a, b = perplexity(tiny, ids, window=16), perplexity(model, ids, window=16)

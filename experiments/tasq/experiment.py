@@ -15,10 +15,11 @@ from kernels_pallas.vq_attention import vq_decode_attention_reference
 from research import data
 from research.eval.perplexity import perplexity
 from research.kv import memory
+from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.model import load
 from research.core.attention import attend
-from research.tasq import (CQKVCache, TaSQConfig, attention_output_error, bits_per_channel,
+from research.tasq import (CQCodec, TaSQConfig, attention_output_error, bits_per_channel,
                            cache_param_bytes, cq_style, int8_kv, kivi_kv,
                            max_batch_with_codebooks, plain_vq, sign_kv, tasq)
 from research.model.precision import kv_cache_dtype
@@ -95,8 +96,8 @@ def _dense_decode(q, k, v, lengths):
 
 def _code_reader(cache):
     """Decode-attention read of `cache`'s codes (XLA): lookup tables for post-RoPE codes, the
-    two-pass block-score path for pre-RoPE codes (CQKVCache)."""
-    if isinstance(cache, CQKVCache):
+    two-pass block-score path for pre-RoPE codes (CQCodec)."""
+    if isinstance(cache, CQCodec):
         head_dim = cache.key_codebook.shape[1] * cache.key_codebook.shape[3]
         read = functools.partial(vq_decode_attention_reference,
                                  key_rope=cache.key_rope(head_dim),
@@ -126,13 +127,13 @@ def time_decode(caches: dict, model_config, context: int, batch: int, warmup: in
     lengths = jnp.full((batch,), context, jnp.int32)
     dense_fn = jax.jit(_dense_decode)
     reads = {"bf16": lambda: dense_fn(q, k, v, lengths)}
-    steps = {"bf16": _decode_step(DenseKVCache("bfloat16"), {"k": k, "v": v}, c, batch,
-                                  context, rng)}
+    steps = {"bf16": _decode_step(DenseKVCache(FloatCodec("bfloat16")), {"k": k, "v": v}, c,
+                                  batch, context, rng)}
+    token_major = {"k_codes": jnp.moveaxis(kc, -1, 1), "v_codes": jnp.moveaxis(vc, -1, 1)}
     for name, cache in caches.items():
         fn = _code_reader(cache)
         reads[name] = lambda fn=fn: fn(q, kc, vc, lengths)
-        steps[name] = _decode_step(cache, {"k_codes": kc, "v_codes": vc}, c, batch, context,
-                                   rng)
+        steps[name] = _decode_step(DenseKVCache(cache), token_major, c, batch, context, rng)
     read = interleaved_medians(reads, warmup, repeats)
     step = interleaved_medians(steps, warmup, repeats)
     out = {"context": context, "bf16_bytes": int(k.nbytes + v.nbytes),
@@ -258,7 +259,7 @@ def run(config, out_dir=None) -> common.Report:
         per_layer[name] = r.pop("_per_layer_err")
         m = r.pop("_model")
         if name in (TASQ, TASQ_PRE):
-            timed_caches["1bit" if name == TASQ else "1bit_pre"] = m.caches[0]
+            timed_caches["1bit" if name == TASQ else "1bit_pre"] = m.caches[0].codec
         rows.append({"codec": name, "role": role, **r})
     f32 = rows[0]["perplexity"]
     bf = next(r for r in rows if r["codec"] == BF16)

@@ -33,6 +33,7 @@ from jaxtyping import Array, Float, Int
 from research.core.attention import gqa_scores, masked_softmax_weights
 from flax import struct
 from research.kv.base import KVCache
+from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.eviction.policies import ScoreInputs, make_policy
 from research.kv.window import WindowKVCache
@@ -176,8 +177,11 @@ def evict(policy="snapkv", ratio: float = 0.25, *, layer_ratios: Sequence[float]
         caches = []
         for i, cache in enumerate(model.caches):
             if isinstance(cache, DenseKVCache):
+                if not isinstance(cache.codec, FloatCodec):
+                    raise TypeError(f"evict would discard layer {i}'s {cache.describe()} "
+                                    "cache: a press stores float K/V, not another codec's records")
                 cache = EvictingKVCache(policy=policy, ratio=float(ratios[i]),
-                                        dtype=cache.dtype,
+                                        dtype=cache.codec.dtype,
                                         salt=jnp.asarray(i, jnp.int32))
             elif not isinstance(cache, WindowKVCache):
                 raise TypeError(f"evict: layer {i} has a {cache.describe()} cache; eviction "

@@ -40,6 +40,11 @@ class KVCache(abc.ABC):
                           window: int | None) -> tuple[Array, CacheState]:
         """Store the chunk's K/V and return causal attention of `q` over the sequence."""
 
+    def truncate(self, state: CacheState, lengths: Int[Array, "B"]) -> CacheState:
+        """Forget entries at positions >= lengths[b] (a rollback). Position-addressed
+        layouts mask by length on every read already, so they return `state` as it is."""
+        return state
+
     def capacity(self, max_len: int) -> int:
         """How many positions a sequence may reach (a window cache never fills up)."""
         return max_len
@@ -64,3 +69,18 @@ def scatter_tokens(buf: Array, slots: Int[Array, "B T"], values: Array) -> Array
 def state_nbytes(state: CacheState) -> int:
     """Bytes of all arrays in a cache state (works on real arrays and ShapeDtypeStructs)."""
     return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def check_codec(codec) -> None:
+    """Layouts take a KVCodec (research/kv/codec.py); name what was given instead."""
+    from research.kv.codec import KVCodec  # codec.py imports this module
+    if not isinstance(codec, KVCodec):
+        raise TypeError(f"codec must be a KVCodec (e.g. FloatCodec('bfloat16')), got "
+                        f"{type(codec).__name__}: {codec!r}")
+
+
+def poison_rows(out: Float[Array, "B T H D"], bad_rows: Array | None) -> Array:
+    """NaN for rows whose K/V a lossy codec could not represent (never a silent junk code)."""
+    if bad_rows is None:
+        return out
+    return jnp.where(bad_rows[:, None, None, None], jnp.nan, out)

@@ -1,37 +1,42 @@
-"""Dense layout: a [B, max_len, Hkv, D] buffer per layer, stored in a chosen dtype."""
+"""Dense layout: one [B, max_len, ...] buffer per record of the layer's codec."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-
-from research.kv.base import KVCache, scatter_tokens, write_positions
-from research.core.attention import attend
 from flax import struct
+
+from research.kv.base import KVCache, check_codec, poison_rows, scatter_tokens, write_positions
+from research.kv.codec import FloatCodec, KVCodec, KVView
 
 
 @struct.dataclass
 class DenseKVCache(KVCache):
-    """Stores K and V as they are, cast to `dtype` (f32, bf16, f16)."""
+    """Token p of row b lives in slot p of the row's buffers, encoded by `codec`.
 
-    dtype: str = struct.field(pytree_node=False, default="float32")
+    The chunk is encoded and written first, then read back like every older token, so
+    prefill sees exactly what decode will see.
+    """
+
+    codec: KVCodec = FloatCodec()
 
     def __post_init__(self):
-        if jnp.dtype(self.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        check_codec(self.codec)
 
     def init(self, batch, max_len, n_kv_heads, head_dim):
-        shape = (batch, max_len, n_kv_heads, head_dim)
-        return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
+        return self.codec.empty((batch, max_len), n_kv_heads, head_dim)
 
     def update_and_attend(self, state, q, k, v, *, start, n_new, window):
-        max_len = state["k"].shape[1]
-        slots = write_positions(start, n_new, q.shape[1], max_len)
-        state = {"k": scatter_tokens(state["k"], slots, k),
-                 "v": scatter_tokens(state["v"], slots, v)}
-        q_pos = start[:, None] + jnp.arange(q.shape[1])[None, :]
-        kv_pos = jnp.broadcast_to(jnp.arange(max_len)[None, :], (q.shape[0], max_len))
-        kv_valid = kv_pos < (start + n_new)[:, None]
-        out = attend(q, state["k"], state["v"], q_pos, kv_pos, kv_valid, window)
-        return out, state
+        b, t = q.shape[:2]
+        max_len = next(iter(state.values())).shape[1]
+        q_pos = start[:, None] + jnp.arange(t)[None, :]
+        slots = write_positions(start, n_new, t, max_len)
+        records = self.codec.encode(k, v, q_pos)
+        state = {name: scatter_tokens(buf, slots, records[name]) for name, buf in state.items()}
+        lengths = start + n_new
+        kv_pos = jnp.broadcast_to(jnp.arange(max_len)[None, :], (b, max_len))
+        view = KVView(state, q_pos, kv_pos, kv_pos < lengths[:, None], window,
+                      positional=True, lengths=lengths)
+        out = self.codec.attend(q, view)
+        return poison_rows(out, self.codec.check_finite(k, v)).astype(q.dtype), state
 
     def describe(self):
-        return f"dense[{jnp.dtype(self.dtype).name}]"
+        return f"dense[{self.codec.describe()}]"

@@ -1,6 +1,6 @@
-"""Scalar-quantised KV caches and the helpers the low-bit codecs share.
+"""Scalar-quantised KV codecs and the helpers the low-bit codecs share.
 
-`Int8KVCache`: symmetric int8 per (token, KV head) with a float16 scale: 8.25 bits per
+`Int8Codec`: symmetric int8 per (token, KV head) with a float16 scale: 8.25 bits per
 channel at head_dim 64, a dense dequantise on read (the usual serving baseline).
 
 Helpers: `pack_bits` / `unpack_bits` (sub-byte integers packed along the last axis, low
@@ -12,9 +12,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
-from research.kv.base import KVCache, scatter_tokens, write_positions
-from research.core.attention import attend
+import jax
 from flax import struct
+
+from research.kv.codec import KVCodec
 
 SCALE_DTYPE = jnp.float16
 
@@ -73,32 +74,22 @@ def quantize_int8(x: Float[Array, "B T H D"]):
 
 
 @struct.dataclass
-class Int8KVCache(KVCache):
+class Int8Codec(KVCodec):
     """K and V as int8 per (token, KV head) with a float16 scale each; dense dequantise on read."""
 
-    label: str = struct.field(pytree_node=False, default="int8")
+    def record_spec(self, n_kv_heads, head_dim):
+        codes = jax.ShapeDtypeStruct((n_kv_heads, head_dim), jnp.dtype(jnp.int8))
+        scale = jax.ShapeDtypeStruct((n_kv_heads, 1), jnp.dtype(SCALE_DTYPE))
+        return {"k": codes, "k_scale": scale, "v": codes, "v_scale": scale}
 
-    def init(self, batch, max_len, n_kv_heads, head_dim):
-        codes = (batch, max_len, n_kv_heads, head_dim)
-        scales = (batch, max_len, n_kv_heads, 1)
-        return {"k": jnp.zeros(codes, jnp.int8), "k_scale": jnp.zeros(scales, SCALE_DTYPE),
-                "v": jnp.zeros(codes, jnp.int8), "v_scale": jnp.zeros(scales, SCALE_DTYPE)}
-
-    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
-        max_len = state["k"].shape[1]
-        slots = write_positions(start, n_new, q.shape[1], max_len)
+    def encode(self, k, v, positions):
         kq, ks = quantize_int8(k)
         vq, vs = quantize_int8(v)
-        state = {"k": scatter_tokens(state["k"], slots, kq),
-                 "k_scale": scatter_tokens(state["k_scale"], slots, ks),
-                 "v": scatter_tokens(state["v"], slots, vq),
-                 "v_scale": scatter_tokens(state["v_scale"], slots, vs)}
-        keys = state["k"].astype(jnp.float32) * state["k_scale"].astype(jnp.float32)
-        vals = state["v"].astype(jnp.float32) * state["v_scale"].astype(jnp.float32)
-        q_pos = start[:, None] + jnp.arange(q.shape[1])[None, :]
-        kv_pos = jnp.broadcast_to(jnp.arange(max_len)[None, :], (q.shape[0], max_len))
-        kv_valid = kv_pos < (start + n_new)[:, None]
-        return attend(q, keys, vals, q_pos, kv_pos, kv_valid, window), state
+        return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
+
+    def decode(self, records, positions):
+        return tuple(records[x].astype(jnp.float32) * records[f"{x}_scale"].astype(jnp.float32)
+                     for x in ("k", "v"))
 
     def describe(self):
         return "int8[per-token]"

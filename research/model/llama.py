@@ -24,6 +24,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from research.kv.base import KVCache
+from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.kv.window import WindowKVCache
 from research.core import attention
@@ -63,8 +64,9 @@ class Model:
 
 def default_caches(config: ModelConfig, dtype: str = "float32") -> tuple[KVCache, ...]:
     """Dense caches for global layers, window rings for sliding layers."""
-    return tuple(WindowKVCache(window=config.window(i), dtype=dtype)
-                 if config.window(i) else DenseKVCache(dtype=dtype)
+    codec = FloatCodec(dtype)
+    return tuple(WindowKVCache(window=config.window(i), codec=codec)
+                 if config.window(i) else DenseKVCache(codec)
                  for i in range(config.n_layers))
 
 

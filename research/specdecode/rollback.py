@@ -39,16 +39,14 @@ def with_rollback_slack(model: Model, max_draft: int) -> Model:
         window = model.config.window(i)
         if isinstance(cache, WindowKVCache) and window is not None and \
                 cache.window < window + max_draft:
-            cache = WindowKVCache(window=window + max_draft, dtype=cache.dtype)
+            cache = WindowKVCache(window=window + max_draft, codec=cache.codec)
         caches.append(cache)
     return model.replace(caches=tuple(caches))
 
 
 def truncate_state(cache, state, lengths):
     """Forget a layer's entries at positions >= lengths[b] (stale speculative tokens)."""
-    if isinstance(cache, WindowKVCache):
-        return {**state, "pos": jnp.where(state["pos"] >= lengths[:, None], -1, state["pos"])}
-    return state  # position-addressed layouts mask by length already (checked by probe)
+    return cache.truncate(state, lengths)  # position-addressed layouts: as it is (probed)
 
 
 def truncate_states(model: Model, states: tuple, lengths) -> tuple:

@@ -69,7 +69,9 @@ class EngineStats:
 class PagedEngine:
     """Sequences over one paged KV pool of `n_blocks` blocks of `block_size` tokens.
 
-    model: any servax Model; its caches are replaced by `PagedKVCache`s (dtype kept).
+    model: any servax Model whose caches are codecs in a layout (float, int8, TaSQ/VQ,
+      CQ, sign-bit); each layer's records move into pages of one pool, codec kept (a
+      cache that cannot be paged, e.g. an eviction press, is refused with its name).
     max_len: longest sequence (sets the block-table width).
     temperature: sampling temperature (0 = greedy); top-k/top-p are not used.
     """
@@ -88,8 +90,8 @@ class PagedEngine:
         self.model = transform.apply(model, transform.calibrate(model, None))
         self.manager = BlockManager(n_blocks, block_size, -(-max_len // block_size))
         states = self.model.init_cache(1, max_len)
-        self.pools = tuple((s["k"], s["v"]) for s in states)
-        self.block_bytes = sum(k.nbytes + v.nbytes for k, v in self.pools) // n_blocks
+        self.pools = tuple(paged.pools_of(s) for s in states)
+        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(self.pools)) // n_blocks
         self.temperature = float(temperature)
         self.share_prefix = share_prefix
         self.row_multiple = row_multiple
@@ -277,7 +279,7 @@ class PagedEngine:
         src = np.full((n,), 0, np.int32)
         dst = np.full((n,), -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        pools = paged._copy_pool_blocks(self.pools, jnp.asarray(src), jnp.asarray(dst))
+        pools = paged.copy_pool_blocks(self.pools, jnp.asarray(src), jnp.asarray(dst))
         self.pools = pools
         self.stats.block_copies += len(copies)
 
@@ -331,10 +333,10 @@ def _forward(model: Model, pools: tuple, table, tokens, start, n_new, aux, *, mo
              temperature: float):
     """One forward pass through the paged caches; returns (new pools, mode's outputs)."""
     table = jnp.asarray(table)
-    states = tuple({"k": k, "v": v, "block_table": table} for k, v in pools)
+    states = tuple({**p, paged.TABLE: table} for p in pools)
     logits = {"prefill": "none", "score": "all", "sample": "last"}[mode]
     out = forward(model, tokens, cache_states=states, start=start, n_new=n_new, logits=logits)
-    new_pools = tuple((s["k"], s["v"]) for s in out.cache_states)
+    new_pools = tuple(paged.pools_of(s) for s in out.cache_states)
     if mode == "prefill":
         return new_pools, jnp.zeros(())
     logp = jax.nn.log_softmax(out.logits, axis=-1)

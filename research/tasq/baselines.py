@@ -15,12 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from research.tasq.cq import CQKVCache
-from research.tasq.kivi import KIVIKVCache
-from research.kv.quantized import Int8KVCache
-from research.tasq.sign import SignKVCache, gaussian_projection
-from research.model.llama import Model
 from flax import struct
+
+from research.kv.dense import DenseKVCache
+from research.kv.layouts import is_raw, replace_codecs
+from research.kv.quantized import Int8Codec
+from research.model.llama import Model
+from research.tasq.cq import CQCodec
+from research.tasq.kivi import KIVIKVCache
+from research.tasq.sign import SignCodec, gaussian_projection
 from research.tasq.config import CODE_BITS
 from research.tasq.fingerprint import check_fingerprint, model_fingerprint
 from research.tasq.kmeans import kmeans
@@ -28,14 +31,9 @@ from research.tasq.stats import collect
 from research.transforms import CalibrationData, Transform, stateless
 
 
-def _replace_caches(model: Model, make, tag: str) -> Model:
-    caches = tuple(make(i) for i in range(model.config.n_layers))
-    return model.replace(caches=caches, tags=model.tags + (tag,))
-
-
 def int8_kv() -> Transform:
-    return stateless(lambda model, state: _replace_caches(model, lambda i: Int8KVCache(),
-                                                          "kv-int8"), "int8")
+    return stateless(lambda model, state: replace_codecs(model, lambda i: Int8Codec(),
+                                                         "int8_kv", "kv-int8"), "int8")
 
 
 def kivi_kv(bits: int = 2, key_group: int = 32, value_group: int = 32,
@@ -43,9 +41,15 @@ def kivi_kv(bits: int = 2, key_group: int = 32, value_group: int = 32,
     KIVIKVCache(bits=bits, key_group=key_group, value_group=value_group, residual=residual)
 
     def apply(model, state):
-        return _replace_caches(model, lambda i: KIVIKVCache(
-            bits=bits, key_group=key_group, value_group=value_group, residual=residual),
-            f"kivi{bits}")
+        for i, cache in enumerate(model.caches):
+            if not (is_raw(cache) and isinstance(cache, DenseKVCache)):
+                raise TypeError(f"kivi_kv would discard layer {i}'s {cache.describe()} cache: "
+                                "KIVI replaces a float32 dense layout only (its residual "
+                                "ring and per-block key scales are not per-token records)")
+        cache = KIVIKVCache(bits=bits, key_group=key_group, value_group=value_group,
+                            residual=residual)
+        return model.replace(caches=(cache,) * len(model.caches),
+                             tags=model.tags + (f"kivi{bits}",))
 
     return stateless(apply, f"kivi({bits}b)")
 
@@ -54,8 +58,8 @@ def sign_kv(seed: int = 0) -> Transform:
     def apply(model, state):
         c = model.config
         keys = jax.random.split(jax.random.key(seed), c.n_layers)
-        return _replace_caches(model, lambda i: SignKVCache(
-            gaussian_projection(keys[i], c.n_kv_heads, c.head_dim)), "sign")
+        return replace_codecs(model, lambda i: SignCodec(
+            gaussian_projection(keys[i], c.n_kv_heads, c.head_dim)), "sign_kv", "sign")
 
     return stateless(apply, "sign(1b)")
 
@@ -99,7 +103,7 @@ def cq_style(bits: int = 1, kmeans_iters: int = 12, max_points: int = 4096,
     def apply(model: Model, state: CQState) -> Model:
         check_fingerprint(model, state.fingerprint, "this CQ state")
         theta = model.config.rope_theta
-        return _replace_caches(model, lambda i: CQKVCache(
-            state.key_codebook[i], state.value_codebook[i], rope_theta=theta), "cq")
+        return replace_codecs(model, lambda i: CQCodec(
+            state.key_codebook[i], state.value_codebook[i], rope_theta=theta), "cq_style", "cq")
 
     return Transform(calibrate, apply, f"cq({bits}b)")

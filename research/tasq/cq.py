@@ -23,62 +23,72 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array
 
+import jax
+from flax import struct
+
 from kernels_pallas.vq_attention.api import vq_decode_attention
-from kernels_pallas.vq_attention.reference import (vq_attention_blockwise,
+from kernels_pallas.vq_attention.reference import (dequantize, vq_attention_blockwise,
                                                    vq_decode_attention_pre_rope)
 from kernels_pallas.vq_attention.rope import KeyRope
-from research.core.attention import attention_mask
-from flax import struct
+from research.core.attention import attend
 from research.core.rope import apply_rope
-from research.kv.base import KVCache, write_positions
-from research.tasq.vq import (IMPLEMENTATIONS, check_kv_finite, encode, inverse_permutation,
-                            permute_channels, scatter_codes)
+from research.kv.codec import KVCodec
+from research.tasq.vq import (IMPLEMENTATIONS, check_kv_finite, codes_last, encode,
+                              inverse_permutation, permute_channels)
 
 
 @struct.dataclass
-class CQKVCache(KVCache):
+class CQCodec(KVCodec):
+    """Records "k_codes", "v_codes" [Hkv, G] uint8 per token, keys coded before RoPE."""
+
     key_codebook: Array    # [Hkv, G, K, g] over pre-RoPE keys
     value_codebook: Array  # [Hkv, G, K, g]
     rope_theta: float = struct.field(pytree_node=False, default=10000.0)
     key_perm: Array | None = None    # [Hkv, D] int32: channel order of the key groups
     value_perm: Array | None = None  # [Hkv, D]
     label: str = struct.field(pytree_node=False, default="cq")
-    check_finite: bool = struct.field(pytree_node=False, default=False)  # as VQKVCache: raise inside jit too
-    implementation: str = struct.field(pytree_node=False, default="xla")  # "pallas": the kernel for decode steps
+    # as VQCodec: raise on NaN/inf K/V inside jit too
+    check_finite_in_jit: bool = struct.field(pytree_node=False, default=False)
+    # "pallas": the kernel for decode steps
+    implementation: str = struct.field(pytree_node=False, default="xla")
     interpret: bool = struct.field(pytree_node=False, default=False)
-    block: int = struct.field(pytree_node=False, default=512)  # keys rebuilt per step of the XLA readers
+    # keys rebuilt per step of the XLA readers
+    block: int = struct.field(pytree_node=False, default=512)
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                              f"{self.implementation!r}")
 
-    def init(self, batch, max_len, n_kv_heads, head_dim):
+    def record_spec(self, n_kv_heads, head_dim):
         for name, cb in (("key_codebook", self.key_codebook),
                          ("value_codebook", self.value_codebook)):
             if cb.shape[0] not in (1, n_kv_heads) or cb.shape[1] * cb.shape[3] != head_dim:
                 raise ValueError(f"{name} {cb.shape} does not fit {n_kv_heads} KV heads of "
                                  f"dim {head_dim}")
-        shape = (batch, n_kv_heads, self.key_codebook.shape[1], max_len)
-        return {"k_codes": jnp.zeros(shape, jnp.uint8), "v_codes": jnp.zeros(shape, jnp.uint8)}
+        codes = jax.ShapeDtypeStruct((n_kv_heads, self.key_codebook.shape[1]),
+                                     jnp.dtype(jnp.uint8))
+        return {"k_codes": codes, "v_codes": codes}
 
-    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
-        b, t, _, d = k.shape
-        bad_rows = check_kv_finite(k, v, self.describe(), self.check_finite)
-        s = state["k_codes"].shape[-1]
-        q_pos = start[:, None] + jnp.arange(t)[None, :]
-        k_pre = apply_rope(k.astype(jnp.float32), -q_pos, self.rope_theta)
-        slots = write_positions(start, n_new, t, s)
-        k_codes = encode(self._permute(k_pre, self.key_perm), self.key_codebook)
-        v_codes = encode(self._permute(v, self.value_perm), self.value_codebook)
-        state = {"k_codes": scatter_codes(state["k_codes"], slots, k_codes),
-                 "v_codes": scatter_codes(state["v_codes"], slots, v_codes)}
-        key_perm = self._key_order(d)
+    def encode(self, k, v, positions):
+        k_pre = apply_rope(k.astype(jnp.float32), -positions, self.rope_theta)
+        return {"k_codes": encode(self._permute(k_pre, self.key_perm), self.key_codebook),
+                "v_codes": encode(self._permute(v, self.value_perm), self.value_codebook)}
+
+    def check_finite(self, k, v):
+        return check_kv_finite(k, v, self.describe(), self.check_finite_in_jit)
+
+    def attend(self, q, view):
+        if not view.positional:  # ring slots are not positions: rotate rebuilt keys
+            k, v = self.decode(view.records, view.kv_pos)
+            return attend(q, k, v, view.q_pos, view.kv_pos, view.kv_valid, view.window)
+        t, d = q.shape[1], q.shape[3]
+        k_codes, v_codes = (codes_last(view.records[n]) for n in ("k_codes", "v_codes"))
         key_rope = self.key_rope(d)
-        qp = permute_channels(q, key_perm)
-        if t == 1 and window is None:  # decode step: the Pallas kernel or the two-pass read
-            codes = (qp[:, 0], state["k_codes"], state["v_codes"], self.key_codebook,
-                     self.value_codebook, start + n_new)
+        qp = permute_channels(q, self._key_order(d))
+        if t == 1 and view.window is None:  # decode step: the Pallas kernel or two passes
+            codes = (qp[:, 0], k_codes, v_codes, self.key_codebook, self.value_codebook,
+                     view.lengths)
             if self.implementation == "pallas":
                 out = vq_decode_attention(*codes, implementation="pallas",
                                           interpret=self.interpret, key_rope=key_rope)
@@ -86,14 +96,19 @@ class CQKVCache(KVCache):
                 out = vq_decode_attention_pre_rope(*codes, key_rope, self.block)
             out = out[:, None].astype(jnp.float32)
         else:
-            kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-            mask = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
-            out = vq_attention_blockwise(qp, state["k_codes"], state["v_codes"],
-                                         self.key_codebook, self.value_codebook, mask,
-                                         block=self.block, key_rope=key_rope)
-        out = self._unpermute(out, self.value_perm)
-        # A row whose K/V were not finite got junk codes: poison it rather than hide it.
-        return jnp.where(bad_rows[:, None, None, None], jnp.nan, out).astype(q.dtype), state
+            out = vq_attention_blockwise(qp, k_codes, v_codes, self.key_codebook,
+                                         self.value_codebook, view.mask(), block=self.block,
+                                         key_rope=key_rope)
+        return self._unpermute(out, self.value_perm).astype(q.dtype)
+
+    def decode(self, records, positions):
+        """Dense post-RoPE K and V (the ring layout's reader; positional layouts never
+        build them)."""
+        k_pre = self._unpermute(dequantize(codes_last(records["k_codes"]), self.key_codebook),
+                                self.key_perm)
+        v = self._unpermute(dequantize(codes_last(records["v_codes"]), self.value_codebook),
+                            self.value_perm)
+        return apply_rope(k_pre, positions, self.rope_theta), v
 
     def _key_order(self, head_dim: int) -> Array:
         return jnp.arange(head_dim)[None] if self.key_perm is None else self.key_perm

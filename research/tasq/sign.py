@@ -1,4 +1,4 @@
-"""Sign-bit KV cache: QJL-style 1-bit keys (Zandieh et al., 2024) and 1-bit sign values.
+"""Sign-bit KV codec: QJL-style 1-bit keys (Zandieh et al., 2024) and 1-bit sign values.
 
 Keys: a Gaussian projection P [D, m] (per KV head, fixed by a seed; m = D gives 1 bit per
 channel) and one float16 norm per token; only sign(P^T k) is stored. The score estimator
@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from research.kv.base import KVCache, scatter_tokens, write_positions
-from research.kv.quantized import SCALE_DTYPE, pack_bits, unpack_bits
-from research.core.attention import attention_mask, masked_softmax_weights
 from flax import struct
+
+from research.core.attention import masked_softmax_weights
+from research.kv.codec import KVCodec
+from research.kv.quantized import SCALE_DTYPE, pack_bits, unpack_bits
 
 
 def gaussian_projection(key: jax.Array, n_kv_heads: int, head_dim: int,
@@ -38,10 +39,13 @@ def _signs(x: Array) -> Array:
 
 
 @struct.dataclass
-class SignKVCache(KVCache):
+class SignCodec(KVCodec):
+    """Records "k_bits" [Hkv, m/8], "k_norm" [Hkv, 1], "v_bits" [Hkv, D/8], "v_scale"
+    [Hkv, 1] per token; scores come from the sketch estimator, never from rebuilt keys."""
+
     projection: Array  # [Hkv, D, m]
 
-    def init(self, batch, max_len, n_kv_heads, head_dim):
+    def record_spec(self, n_kv_heads, head_dim):
         if self.projection.shape[:2] != (n_kv_heads, head_dim):
             raise ValueError(f"projection must be [{n_kv_heads}, {head_dim}, m], got "
                              f"{self.projection.shape}")
@@ -49,41 +53,36 @@ class SignKVCache(KVCache):
             raise ValueError(f"head_dim must be a multiple of 8 to pack sign bits, got "
                              f"{head_dim}")
         m = self.projection.shape[-1]
-        tok = (batch, max_len, n_kv_heads)
-        return {"k_bits": jnp.zeros(tok + (m // 8,), jnp.uint8),
-                "k_norm": jnp.zeros(tok + (1,), SCALE_DTYPE),
-                "v_bits": jnp.zeros(tok + (head_dim // 8,), jnp.uint8),
-                "v_scale": jnp.zeros(tok + (1,), SCALE_DTYPE)}
 
-    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
+        def spec(width, dtype):
+            return jax.ShapeDtypeStruct((n_kv_heads, width), jnp.dtype(dtype))
+        return {"k_bits": spec(m // 8, jnp.uint8), "k_norm": spec(1, SCALE_DTYPE),
+                "v_bits": spec(head_dim // 8, jnp.uint8), "v_scale": spec(1, SCALE_DTYPE)}
+
+    def encode(self, k, v, positions):
+        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+        sketch = jnp.einsum("bthd,hdm->bthm", k32, self.projection)
+        return {"k_bits": pack_bits(_signs(sketch), 1),
+                "k_norm": jnp.linalg.norm(k32, axis=-1, keepdims=True).astype(SCALE_DTYPE),
+                "v_bits": pack_bits(_signs(v32), 1),
+                "v_scale": jnp.mean(jnp.abs(v32), axis=-1, keepdims=True).astype(SCALE_DTYPE)}
+
+    def attend(self, q, view):
         b, t, hq, d = q.shape
         hkv, m = self.projection.shape[0], self.projection.shape[-1]
-        max_len = state["k_bits"].shape[1]
-        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-        slots = write_positions(start, n_new, t, max_len)
-        sketch = jnp.einsum("bthd,hdm->bthm", k32, self.projection)
-        state = {
-            "k_bits": scatter_tokens(state["k_bits"], slots, pack_bits(_signs(sketch), 1)),
-            "k_norm": scatter_tokens(state["k_norm"], slots,
-                                     jnp.linalg.norm(k32, axis=-1, keepdims=True)),
-            "v_bits": scatter_tokens(state["v_bits"], slots, pack_bits(_signs(v32), 1)),
-            "v_scale": scatter_tokens(state["v_scale"], slots,
-                                      jnp.mean(jnp.abs(v32), axis=-1, keepdims=True))}
-        k_sign = unpack_bits(state["k_bits"], 1).astype(jnp.float32) * 2 - 1  # [B,S,H,m]
-        v_hat = ((unpack_bits(state["v_bits"], 1).astype(jnp.float32) * 2 - 1)
-                 * state["v_scale"].astype(jnp.float32))
+        rec = view.records
+        k_sign = unpack_bits(rec["k_bits"], 1).astype(jnp.float32) * 2 - 1  # [B,S,H,m]
+        v_hat = ((unpack_bits(rec["v_bits"], 1).astype(jnp.float32) * 2 - 1)
+                 * rec["v_scale"].astype(jnp.float32))
         qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
         q_sketch = jnp.einsum("btkgd,kdm->btkgm", qg, self.projection)
         scale = math.sqrt(math.pi / 2) / m / math.sqrt(d)
         scores = jnp.einsum("btkgm,bskm->bkgts", q_sketch, k_sign) * scale
-        scores = scores * jnp.moveaxis(state["k_norm"][..., 0].astype(jnp.float32), 1, 2
+        scores = scores * jnp.moveaxis(rec["k_norm"][..., 0].astype(jnp.float32), 1, 2
                                        )[:, :, None, None, :]
-        q_pos = start[:, None] + jnp.arange(t)[None, :]
-        kv_pos = jnp.broadcast_to(jnp.arange(max_len)[None, :], (b, max_len))
-        mask = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
-        w = masked_softmax_weights(scores, mask[:, None, None])
+        w = masked_softmax_weights(scores, view.mask()[:, None, None])
         out = jnp.einsum("bkgts,bskd->btkgd", w, v_hat).reshape(b, t, hq, d)
-        return out.astype(q.dtype), state
+        return out.astype(q.dtype)
 
     def describe(self):
         return f"sign[qjl keys m={self.projection.shape[-1]}, sign values]"

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from research.tasq.cq import CQKVCache
-from research.tasq.vq import VQKVCache
+from research.kv.layouts import replace_codecs
+from research.tasq.cq import CQCodec
+from research.tasq.vq import VQCodec
 from research.model.llama import Model
 from flax import struct
 from research.tasq import grouping
@@ -166,19 +167,18 @@ def apply_state(model: Model, state: TaSQState, label: str = "tasq") -> Model:
         raise ValueError(f"state has {state.key_codebook.shape[0]} layers, model has "
                          f"{c.n_layers}")
     folded = fold_kv_scales(model, state.key_scale, state.value_scale)
-    def layer_cache(i):
+    def layer_codec(i):
         if cfg.key_space == "pre_rope":
-            return CQKVCache(state.key_codebook[i], state.value_codebook[i],
+            return CQCodec(state.key_codebook[i], state.value_codebook[i],
                              rope_theta=c.rope_theta, key_perm=state.key_perm[i],
                              value_perm=state.value_perm[i], label=label,
                              implementation=cfg.implementation, interpret=cfg.interpret)
-        return VQKVCache.create(state.key_codebook[i], state.value_codebook[i],
+        return VQCodec.create(state.key_codebook[i], state.value_codebook[i],
                                 state.key_perm[i], state.value_perm[i],
                                 implementation=cfg.implementation, interpret=cfg.interpret,
                                 label=label)
 
-    caches = tuple(layer_cache(i) for i in range(c.n_layers))
-    return folded.replace(caches=caches, tags=model.tags + (label,))
+    return replace_codecs(folded, layer_codec, f"tasq({label})", label)
 
 
 def tasq(config: TaSQConfig = TaSQConfig(), *, label: str = "tasq",

@@ -1,4 +1,4 @@
-"""Vector-quantised KV cache: one uint8 code per (token, KV head, channel group).
+"""Vector-quantised KV codec: one uint8 code per (token, KV head, channel group).
 
 Channels of each head are permuted (`key_perm`/`value_perm`, data: free at run time, an
 index gather of q and of the output), cut into G contiguous groups of g channels, and each
@@ -24,8 +24,7 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas.vq_attention.api import validate_codes_and_codebooks, vq_decode_attention
 from kernels_pallas.vq_attention.reference import vq_attention_blockwise, vq_attention_reference
-from research.kv.base import KVCache, write_positions
-from research.core.attention import attention_mask
+from research.kv.codec import KVCodec
 from flax import struct
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -81,11 +80,9 @@ def inverse_permutation(perm: Int[Array, "H D"]) -> Int[Array, "H D"]:
     return jnp.argsort(perm, axis=-1).astype(jnp.int32)
 
 
-def scatter_codes(buf: UInt8[Array, "B H G S"], slots: Int[Array, "B T"],
-                  codes: UInt8[Array, "B T H G"]) -> Array:
-    """buf[b, :, :, slots[b, t]] = codes[b, t]; out-of-range slots (padding) are dropped."""
-    b_idx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], slots.shape)
-    return buf.at[b_idx, :, :, slots].set(codes, mode="drop")
+def codes_last(codes: UInt8[Array, "B S H G"]) -> UInt8[Array, "B H G S"]:
+    """Token-major record codes in the [B, Hkv, G, S] layout the VQ readers take."""
+    return jnp.moveaxis(codes, 1, -1)
 
 
 def _raise_if_nonfinite(bad, name: str, where: str) -> None:
@@ -107,13 +104,15 @@ def check_kv_finite(k, v, where: str, in_jit_check: bool) -> Array:
 
 
 @struct.dataclass
-class VQKVCache(KVCache):
-    """Keys and values as uint8 VQ codes [B, Hkv, G, S]; see the module docstring.
+class VQCodec(KVCodec):
+    """Keys and values as uint8 VQ codes, one per (token, KV head, group); see the module
+    docstring. Records: "k_codes", "v_codes" [Hkv, G] per token.
 
     key_codebook / value_codebook: [Hc, G, K, g] (Hc = 1: shared by all KV heads).
     key_perm / value_perm: [Hkv, D] int32; codec channel c of head h holds channel perm[h, c].
-    implementation: "xla" (reference) or "pallas" (kernel for single-token decode steps).
-    check_finite: raise on NaN/inf K/V inside jit too (a host callback per call). Without
+    implementation: "xla" (reference) or "pallas" (kernel for single-token decode steps
+      in a positional layout).
+    check_finite_in_jit: raise on NaN/inf K/V inside jit too (a host callback per call). Without
       it, rows whose new K/V are not finite get NaN outputs, never a silently wrong code.
     """
 
@@ -123,7 +122,7 @@ class VQKVCache(KVCache):
     value_perm: Array
     implementation: str = struct.field(pytree_node=False, default="xla")
     interpret: bool = struct.field(pytree_node=False, default=False)
-    check_finite: bool = struct.field(pytree_node=False, default=False)
+    check_finite_in_jit: bool = struct.field(pytree_node=False, default=False)
     label: str = struct.field(pytree_node=False, default="vq")
 
     def __post_init__(self):
@@ -175,41 +174,36 @@ class VQKVCache(KVCache):
                 raise ValueError(f"{name} must be [1 or {n_kv_heads}, {head_dim}], got "
                                  f"{p.shape}")
 
-    def init(self, batch, max_len, n_kv_heads, head_dim):
+    def record_spec(self, n_kv_heads, head_dim):
         self._check_layout(n_kv_heads, head_dim)
-        shape = (batch, n_kv_heads, self.n_groups, max_len)
-        return {"k_codes": jnp.zeros(shape, jnp.uint8), "v_codes": jnp.zeros(shape, jnp.uint8)}
+        codes = jax.ShapeDtypeStruct((n_kv_heads, self.n_groups), jnp.dtype(jnp.uint8))
+        return {"k_codes": codes, "v_codes": codes}
 
-    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
-        b, t, hkv, d = k.shape
-        self._check_layout(hkv, d)
-        bad_rows = check_kv_finite(k, v, self.describe(), self.check_finite)
-        s = state["k_codes"].shape[-1]
-        slots = write_positions(start, n_new, t, s)
-        state = {
-            "k_codes": scatter_codes(state["k_codes"], slots,
-                                     encode(permute_channels(k, self.key_perm),
-                                            self.key_codebook)),
-            "v_codes": scatter_codes(state["v_codes"], slots,
-                                     encode(permute_channels(v, self.value_perm),
-                                            self.value_codebook))}
+    def encode(self, k, v, positions):
+        self._check_layout(k.shape[2], k.shape[3])
+        return {"k_codes": encode(permute_channels(k, self.key_perm), self.key_codebook),
+                "v_codes": encode(permute_channels(v, self.value_perm), self.value_codebook)}
+
+    def check_finite(self, k, v):
+        return check_kv_finite(k, v, self.describe(), self.check_finite_in_jit)
+
+    def attend(self, q, view):
+        t, hkv = q.shape[1], self.key_perm.shape[0]
+        k_codes, v_codes = (codes_last(view.records[n]) for n in ("k_codes", "v_codes"))
         qp = permute_channels(q, self.key_perm)
-        if self.implementation == "pallas" and t == 1 and window is None:
-            out = vq_decode_attention(qp[:, 0], state["k_codes"], state["v_codes"],
-                                      self.key_codebook, self.value_codebook, start + n_new,
+        if (self.implementation == "pallas" and view.positional and t == 1
+                and view.window is None):
+            out = vq_decode_attention(qp[:, 0], k_codes, v_codes, self.key_codebook,
+                                      self.value_codebook, view.lengths,
                                       implementation="pallas", interpret=self.interpret)
             out = out[:, None].astype(jnp.float32)
         else:
-            q_pos = start[:, None] + jnp.arange(t)[None, :]
-            kv_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-            mask = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window)
-            attn = (vq_attention_reference if self.use_lookup_tables(t, q.shape[2] // hkv, s)
+            attn = (vq_attention_reference
+                    if self.use_lookup_tables(t, q.shape[2] // hkv, k_codes.shape[-1])
                     else vq_attention_blockwise)
-            out = attn(qp, state["k_codes"], state["v_codes"], self.key_codebook,
-                       self.value_codebook, mask)
-        out = permute_channels(out, inverse_permutation(self.value_perm))
-        out = jnp.where(bad_rows[:, None, None, None], jnp.nan, out)
-        return out.astype(q.dtype), state
+            out = attn(qp, k_codes, v_codes, self.key_codebook, self.value_codebook,
+                       view.mask())
+        return permute_channels(out, inverse_permutation(self.value_perm)).astype(q.dtype)
 
     def use_lookup_tables(self, t: int, q_per_kv: int, context: int) -> bool:
         """Lookup tables (T * q_per_kv rows of K entries per group) when they are smaller

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from research.kv import eviction
+from research.eviction import press as eviction
 from research.kv.base import KVCache
 from research.kv.dense import DenseKVCache
 from research.eviction.press import EvictingKVCache, evict, kept_tokens, trim_states

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.kv.memory import kv_cache_bytes, kv_bytes_per_token, max_batch
 from research.kv.window import WindowKVCache
@@ -82,7 +83,7 @@ def test_dense_with_window_mask_matches_reference():
 
 
 def test_bf16_cache_stores_bf16():
-    state = DenseKVCache(dtype="bfloat16").init(1, 4, 1, 2)
+    state = DenseKVCache(FloatCodec("bfloat16")).init(1, 4, 1, 2)
     assert state["k"].dtype == jnp.bfloat16
 
 
@@ -96,7 +97,7 @@ def test_window_cache_rejects_larger_window():
 
 def test_bad_cache_args():
     with pytest.raises(ValueError, match="dtype"):
-        DenseKVCache(dtype="int8")
+        FloatCodec("int8")
     with pytest.raises(ValueError, match="window"):
         WindowKVCache(window=0)
 

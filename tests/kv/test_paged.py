@@ -6,6 +6,7 @@ import pytest
 
 from research.kv import paged
 from research.kv.block_allocator import BlockManager
+from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.model import forward
 from research.serving.generate import generate
@@ -21,8 +22,8 @@ def test_rejects_bad_hyper_parameters():
         paged.PagedKVCache(block_size=0)
     with pytest.raises(ValueError, match="implementation"):
         paged.PagedKVCache(implementation="cuda")
-    with pytest.raises(ValueError, match="dtype"):
-        paged.PagedKVCache(dtype="int8")
+    with pytest.raises(TypeError, match="codec"):
+        paged.PagedKVCache(codec="bfloat16")
 
 
 def test_generate_on_paged_cache_matches_dense(tiny):
@@ -130,6 +131,6 @@ def test_state_bytes_scale_with_pool_not_batch(tiny):
     assert state_nbytes(s8) - pool == 8 * 16 * 4 * tiny.config.n_layers
 
 
-def test_dense_cache_dtype_is_kept(tiny):
-    m = _paged(tiny.replace(caches=(DenseKVCache("bfloat16"),) * 2))
-    assert all(c.dtype == "bfloat16" for c in m.caches)
+def test_dense_cache_codec_is_kept(tiny):
+    m = _paged(tiny.replace(caches=(DenseKVCache(FloatCodec("bfloat16")),) * 2))
+    assert all(c.codec == FloatCodec("bfloat16") for c in m.caches)

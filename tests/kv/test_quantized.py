@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from research.kv.base import state_nbytes
-from research.tasq.cq import CQKVCache
+from research.tasq.cq import CQCodec
 from research.kv.dense import DenseKVCache
 from research.tasq.kivi import KIVIKVCache
-from research.kv.quantized import (Int8KVCache, dequantize_uniform, pack_bits,
+from research.kv.quantized import (Int8Codec, dequantize_uniform, pack_bits,
                                    quantize_uniform, unpack_bits)
-from research.tasq.sign import SignKVCache, gaussian_projection
+from research.tasq.sign import SignCodec, gaussian_projection
 from research.tasq.vq import permute_channels
 from research.core.rope import apply_rope
 
@@ -58,7 +58,7 @@ def test_uniform_quantization_error_bound():
 def test_int8_close_to_dense_and_bytes():
     q, k, v = _qkv(0, 6)
     start, n_new = jnp.zeros(B, int), jnp.array([6, 4])
-    out, st = _run(Int8KVCache(), Int8KVCache().init(B, 8, HKV, D), q, k, v, start, n_new)
+    out, st = _run(DenseKVCache(Int8Codec()), DenseKVCache(Int8Codec()).init(B, 8, HKV, D), q, k, v, start, n_new)
     assert _rel(out, _dense(q, k, v, start, n_new, 8)) < 0.02
     assert state_nbytes(st) == B * 8 * HKV * 2 * (D + 2)  # int8 codes + f16 scale, K and V
 
@@ -122,7 +122,7 @@ def test_sign_score_estimator_is_unbiased():
 
 
 def test_sign_cache_bytes_and_finite_output():
-    cache = SignKVCache(gaussian_projection(jax.random.key(1), HKV, D))
+    cache = DenseKVCache(SignCodec(gaussian_projection(jax.random.key(1), HKV, D)))
     q, k, v = _qkv(4, 5)
     out, st = _run(cache, cache.init(B, 8, HKV, D), q, k, v, jnp.zeros(B, int),
                    jnp.full((B,), 5))
@@ -143,7 +143,7 @@ def test_cq_unrotates_keys_and_matches_dense_on_decoded():
     # codebook per head and group = that head's pre-RoPE values (B * t = 10 entries)
     kcb = k_pre.reshape(B * t, HKV, D // g, g).transpose(1, 2, 0, 3)
     vcb = v.reshape(B * t, HKV, D // g, g).transpose(1, 2, 0, 3)
-    cache = CQKVCache(kcb, vcb, rope_theta=theta)
+    cache = DenseKVCache(CQCodec(kcb, vcb, rope_theta=theta))
     start, n_new = jnp.zeros(B, int), jnp.full((B,), t)
     out, _ = _run(cache, cache.init(B, t, HKV, D), q, k, v, start, n_new)
     np.testing.assert_allclose(out, _dense(q, k, v, start, n_new, t), rtol=1e-4, atol=1e-4)
@@ -160,12 +160,12 @@ def test_cq_with_channel_permutations_matches_dense_on_decoded():
     vp = jnp.asarray(np.stack([rng.permutation(D) for _ in range(HKV)]), jnp.int32)
     book = lambda x, p: permute_channels(x, p).reshape(B * t, HKV, D // g, g).transpose(  # noqa
         1, 2, 0, 3)
-    cache = CQKVCache(book(k_pre, kp), book(v, vp), rope_theta=theta, key_perm=kp,
-                      value_perm=vp, label="tasq")
+    cache = DenseKVCache(CQCodec(book(k_pre, kp), book(v, vp), rope_theta=theta,
+                                 key_perm=kp, value_perm=vp, label="tasq"))
     start, n_new = jnp.zeros(B, int), jnp.full((B,), t)
     out, _ = _run(cache, cache.init(B, t, HKV, D), q, k, v, start, n_new)
     np.testing.assert_allclose(out, _dense(q, k, v, start, n_new, t), rtol=1e-4, atol=1e-4)
-    assert cache.describe().startswith("tasq[pre-RoPE keys")
+    assert cache.codec.describe().startswith("tasq[pre-RoPE keys")
     k_bad, st = k.at[0, 1, 0, 0].set(jnp.nan), cache.init(B, t, HKV, D)
     with pytest.raises(ValueError, match="k contains NaN"):  # eager: checked now
         cache.update_and_attend(st, q, k_bad, v, start=start, n_new=n_new, window=None)
@@ -178,7 +178,7 @@ def _random_cq(seed, **static):
     g, k = 4, 16
     book = lambda: jnp.asarray(rng.normal(size=(HKV, D // g, k, g)), jnp.float32)  # noqa
     perm = lambda: jnp.asarray(np.stack([rng.permutation(D) for _ in range(HKV)]))  # noqa
-    return CQKVCache(book(), book(), key_perm=perm(), value_perm=perm(), **static)
+    return DenseKVCache(CQCodec(book(), book(), key_perm=perm(), value_perm=perm(), **static))
 
 
 def test_cq_block_size_and_pallas_decode_do_not_change_outputs():

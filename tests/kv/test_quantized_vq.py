@@ -1,4 +1,4 @@
-"""VQKVCache: codes-attention equals dense attention on the decoded K/V; writes, decode
+"""VQCodec in the dense layout: codes-attention equals dense attention on the decoded K/V; writes, decode
 consistency, the Pallas path, bad input."""
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 from kernels_pallas.vq_attention.reference import dequantize
 from research.kv.base import state_nbytes
 from research.kv.dense import DenseKVCache
-from research.tasq.vq import VQKVCache, encode, inverse_permutation, permute_channels
+from research.tasq.vq import VQCodec, codes_last, encode, inverse_permutation, permute_channels
 
 B, HQ, HKV, D, G, K = 2, 4, 2, 16, 2, 32
 
@@ -16,10 +16,10 @@ B, HQ, HKV, D, G, K = 2, 4, 2, 16, 2, 32
 def _cache(seed=0, shared=False, **static):
     rng = np.random.default_rng(seed)
     hc = 1 if shared else HKV
-    return VQKVCache.create(rng.normal(size=(hc, G, K, D // G)).astype(np.float32),
+    return DenseKVCache(VQCodec.create(rng.normal(size=(hc, G, K, D // G)).astype(np.float32),
                             rng.normal(size=(hc, G, K, D // G)).astype(np.float32),
                             np.stack([rng.permutation(D) for _ in range(HKV)]),
-                            np.stack([rng.permutation(D) for _ in range(HKV)]), **static)
+                            np.stack([rng.permutation(D) for _ in range(HKV)]), **static))
 
 
 def _qkv(seed, t):
@@ -30,9 +30,10 @@ def _qkv(seed, t):
 
 def _decoded(cache, state, name):
     """Dense K or V (model channel order) rebuilt from the cache's codes."""
-    cb = cache.key_codebook if name == "k" else cache.value_codebook
-    perm = cache.key_perm if name == "k" else cache.value_perm
-    x = dequantize(state[f"{name}_codes"], cb)  # codec order [B, S, H, D]
+    codec = cache.codec
+    cb = codec.key_codebook if name == "k" else codec.value_codebook
+    perm = codec.key_perm if name == "k" else codec.value_perm
+    x = dequantize(codes_last(state[f"{name}_codes"]), cb)  # codec order [B, S, H, D]
     return permute_channels(x, inverse_permutation(perm))
 
 
@@ -49,10 +50,10 @@ def test_matches_dense_attention_on_decoded_kv(t, max_len, shared):
     q, k, v = _qkv(1, t)
     start, n_new = jnp.array([0, 2]), jnp.array([t, t - 1])
     rng = np.random.default_rng(2)
-    state0 = {name: jnp.asarray(rng.integers(0, K, (B, HKV, G, max_len)), jnp.uint8)
+    state0 = {name: jnp.asarray(rng.integers(0, K, (B, max_len, HKV, G)), jnp.uint8)
               for name in ("k_codes", "v_codes")}  # earlier tokens of row 1 already cached
     out, state = _step(cache, state0, q, k, v, start, n_new)
-    assert cache.use_lookup_tables(t, HQ // HKV, max_len) == (t == 1)
+    assert cache.codec.use_lookup_tables(t, HQ // HKV, max_len) == (t == 1)
     keys, vals = _decoded(cache, state, "k"), _decoded(cache, state, "v")
     dense = DenseKVCache()
     ref, _ = dense.update_and_attend({"k": keys, "v": vals}, q, _gather(keys, start, t),
@@ -70,9 +71,9 @@ def _gather(x, start, t):
 def test_codes_are_nearest_centroids_in_codec_order():
     cache = _cache(shared=True)
     _, k, _ = _qkv(2, 5)
-    codes = encode(permute_channels(k, cache.key_perm), cache.key_codebook)
-    kp = permute_channels(k, cache.key_perm).reshape(B, 5, HKV, G, D // G)
-    d = jnp.sum((kp[..., None, :] - cache.key_codebook[0][None, None, None]) ** 2, -1)
+    codes = encode(permute_channels(k, cache.codec.key_perm), cache.codec.key_codebook)
+    kp = permute_channels(k, cache.codec.key_perm).reshape(B, 5, HKV, G, D // G)
+    d = jnp.sum((kp[..., None, :] - cache.codec.key_codebook[0][None, None, None]) ** 2, -1)
     chosen = jnp.take_along_axis(d, codes[..., None].astype(jnp.int32), -1)[..., 0]
     np.testing.assert_allclose(chosen, d.min(-1), rtol=1e-4, atol=1e-6)
 
@@ -114,7 +115,7 @@ def test_pallas_decode_path_matches_xla():
     xla, pallas = _cache(seed=6), _cache(seed=6, implementation="pallas", interpret=True)
     q, k, v = _qkv(7, 1)
     rng = np.random.default_rng(8)
-    state = {name: jnp.asarray(rng.integers(0, K, (B, HKV, G, 50)), jnp.uint8)
+    state = {name: jnp.asarray(rng.integers(0, K, (B, 50, HKV, G)), jnp.uint8)
              for name in ("k_codes", "v_codes")}
     start, n_new = jnp.array([49, 20]), jnp.array([1, 1])
     a, sa = _step(xla, state, q, k, v, start, n_new)
@@ -132,13 +133,13 @@ def test_state_is_one_byte_per_group():
 def test_bad_construction_raises():
     good = np.zeros((1, G, K, D // G), np.float32)
     with pytest.raises(TypeError, match="key_codebook"):
-        VQKVCache.create(good.astype(np.int32), good)
+        VQCodec.create(good.astype(np.int32), good)
     with pytest.raises(ValueError, match="value_codebook"):
-        VQKVCache.create(good, np.full_like(good, np.nan))
+        VQCodec.create(good, np.full_like(good, np.nan))
     with pytest.raises(ValueError, match="key_perm"):
-        VQKVCache.create(good, good, key_perm=np.zeros((1, D), int))
+        VQCodec.create(good, good, key_perm=np.zeros((1, D), int))
     with pytest.raises(ValueError, match="256"):
-        VQKVCache.create(np.zeros((1, G, 300, D // G), np.float32),
+        VQCodec.create(np.zeros((1, G, 300, D // G), np.float32),
                          np.zeros((1, G, 300, D // G), np.float32))
     with pytest.raises(ValueError, match="implementation"):
         _cache(implementation="cuda")
@@ -158,6 +159,6 @@ def test_nonfinite_kv_is_an_error_not_a_silent_code():
         cache.update_and_attend(st, q, k_bad, v, start=start, n_new=n_new, window=None)
     out, _ = _step(cache, st, q, k_bad, v, start, n_new)  # under jit: poisoned row, not junk
     assert bool(jnp.isnan(out[0]).all()) and bool(jnp.isfinite(out[1]).all())
-    checked = _cache(check_finite=True)
+    checked = _cache(check_finite_in_jit=True)
     with pytest.raises(Exception, match="v contains NaN"):
         _step(checked, st, q, k, v.at[1, 0, 1, 0].set(jnp.inf), start, n_new)[0].block_until_ready()

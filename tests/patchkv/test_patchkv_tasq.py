@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from research.tasq.vq import VQKVCache
+from research.tasq.vq import VQCodec
 from research.model import init_params, make_model, tiny_config
 from research.patchkv import patch, session
 from research.patchkv.probes import ProbeConfig
@@ -30,7 +30,7 @@ def test_patch_on_top_of_tasq_reduces_attention_error():
     patched, (tasq_state, patch_state) = calibrate_and_apply(
         chain(quantizer, patch.patchkv(probes=probes)), model, data)
     compressed = quantizer.apply(model, tasq_state)
-    assert all(isinstance(c, VQKVCache) for c in patched.caches)
+    assert all(isinstance(c.codec, VQCodec) for c in patched.caches)
     assert patch.summarize(patch_state)["layers_patched"] >= 1
     ref = patch.reference_model(model)
     max_len = N_CTX + queries.shape[1]

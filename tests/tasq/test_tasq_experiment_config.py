@@ -29,16 +29,16 @@ def test_time_decode_reports_every_code_reader():
     import jax.numpy as jnp
     import numpy as np
     from experiments.tasq.experiment import TIMED, time_decode
-    from research.tasq.cq import CQKVCache
-    from research.tasq.vq import VQKVCache
+    from research.tasq.cq import CQCodec
+    from research.tasq.vq import VQCodec
     from research.model import tiny_config
     c = tiny_config()
     rng = np.random.default_rng(0)
     g = c.head_dim // 8
     book = lambda: rng.normal(size=(c.n_kv_heads, g, 256, 8)).astype(np.float32)  # noqa
     perm = jnp.asarray(np.stack([rng.permutation(c.head_dim) for _ in range(c.n_kv_heads)]))
-    caches = {"1bit": VQKVCache.create(book(), book()),
-              "1bit_pre": CQKVCache(book(), book(), key_perm=perm, value_perm=perm)}
+    caches = {"1bit": VQCodec.create(book(), book()),
+              "1bit_pre": CQCodec(book(), book(), key_perm=perm, value_perm=perm)}
     # jnp permutations closed over by the timed jit (as the experiment's calibrated caches)
     t = time_decode(caches, c, 64, batch=1, warmup=1, repeats=1, seed=0)
     for name, _, _ in TIMED:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from research.eval.perplexity import perplexity
-from research.tasq.vq import VQKVCache
+from research.tasq.vq import VQCodec
 from research.serving.generate import generate
 from research.model import forward, init_params, make_model, tiny_config
 from research.tasq import TaSQConfig, plain_vq, tasq
@@ -41,7 +41,7 @@ def calibrated(model16, calib):
 
 def test_calibrated_model_uses_vq_caches_and_runs(calibrated, model16):
     m, state = calibrated
-    assert all(isinstance(c, VQKVCache) for c in m.caches) and "tasq" in m.tags
+    assert all(isinstance(c.codec, VQCodec) for c in m.caches) and "tasq" in m.tags
     c = model16.config
     assert state.key_codebook.shape == (c.n_layers, 1, 2, 256, 8)  # shared, 2 groups of 8
     np.testing.assert_array_equal(np.sort(state.key_perm, -1),
@@ -84,10 +84,10 @@ def test_tasq_beats_plain_vq_on_attention_error_with_query_weighting(model16, ca
 def test_pre_rope_key_space_codes_unrotated_keys(model16, calib):
     """key_space='pre_rope': same ingredients, keys coded before RoPE and rotated on read;
     1 bit per channel and finite, bounded attention error."""
-    from research.tasq.cq import CQKVCache
+    from research.tasq.cq import CQCodec
     cfg = dataclasses.replace(CFG, key_space="pre_rope")
     m, st = calibrate_and_apply(tasq(cfg), model16, calib)
-    assert all(isinstance(c, CQKVCache) and c.key_perm is not None for c in m.caches)
+    assert all(isinstance(c.codec, CQCodec) and c.codec.key_perm is not None for c in m.caches)
     assert bits_per_channel(m, 256) == pytest.approx(1.0)
     toks = np.random.default_rng(2).integers(0, 97, (2, 48))
     err = attention_output_error(m, toks)["mean"]

@@ -1,0 +1,120 @@
+"""KV codecs: *how* one token's K and V are encoded, independent of *where* they live.
+
+A codec turns a chunk of post-RoPE K/V into per-token records (a dict of arrays whose
+leading axes are [batch, token]) and attends over records it wrote. A layout
+(research/kv/dense.py, window.py, paged.py) decides where the records live: a dense
+[B, S] buffer, a ring of the last W tokens, or pages of a shared block pool. Any codec
+works in any layout because a layout only scatters and gathers records along their token
+axis; it never looks inside them.
+
+    records = codec.encode(k, v, positions)              # {name: [B, T, *record]}
+    out = codec.attend(q, view)                           # view: records [B, S, ...] + masks
+
+Codecs that score keys without rebuilding them (VQ lookup tables, sign sketches) override
+`attend`; the default rebuilds dense K/V with `decode` and runs the reference attention.
+"""
+from __future__ import annotations
+
+import abc
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from research.core.attention import attend, attention_mask
+
+Records = dict  # {name: Array [..., *record]} with the token axes leading
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+class KVView(NamedTuple):
+    """What a layout hands a codec to attend over (S storage slots per row).
+
+    positional: slot s of every row holds position s (dense and paged layouts), so a row's
+      valid slots are exactly [0, lengths[b]) and position-aware fast paths (decode
+      kernels, pre-RoPE block readers) may assume it. False for the window ring.
+    lengths: [B] tokens each row holds after the write (positional layouts only).
+    """
+
+    records: Records
+    q_pos: Int[Array, "B T"]
+    kv_pos: Int[Array, "B S"]
+    kv_valid: Bool[Array, "B S"]
+    window: int | None
+    positional: bool
+    lengths: Int[Array, "B"] | None = None
+
+    def mask(self) -> Bool[Array, "B T S"]:
+        return attention_mask(self.q_pos, self.kv_pos, self.kv_valid, self.window)
+
+
+class KVCodec(abc.ABC):
+    """Abstract codec. Subclasses are `flax.struct.dataclass`es (arrays = leaves)."""
+
+    @abc.abstractmethod
+    def record_spec(self, n_kv_heads: int, head_dim: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """Per-token record shapes and dtypes (no token axes); validates the head layout."""
+
+    @abc.abstractmethod
+    def encode(self, k: Float[Array, "B T Hkv D"], v: Float[Array, "B T Hkv D"],
+               positions: Int[Array, "B T"]) -> Records:
+        """Records [B, T, *record] of a chunk of post-RoPE keys and values."""
+
+    def decode(self, records: Records, positions: Int[Array, "B S"]
+               ) -> tuple[Float[Array, "B S Hkv D"], Float[Array, "B S Hkv D"]]:
+        """Dense post-RoPE K and V rebuilt from records (codecs that override `attend`
+        without a dense form may leave this unimplemented)."""
+        raise NotImplementedError(f"{self.describe()} has no dense decode")
+
+    def attend(self, q: Float[Array, "B T Hq D"], view: KVView) -> Float[Array, "B T Hq D"]:
+        """Causal attention of q over the view's records (default: decode + reference)."""
+        k, v = self.decode(view.records, view.kv_pos)
+        return attend(q, k, v, view.q_pos, view.kv_pos, view.kv_valid, view.window)
+
+    def empty(self, lead: tuple[int, ...], n_kv_heads: int, head_dim: int) -> Records:
+        """Zero-filled storage with leading axes `lead` (e.g. (B, S) or (N, block_size))."""
+        return {name: jnp.zeros(lead + spec.shape, spec.dtype)
+                for name, spec in self.record_spec(n_kv_heads, head_dim).items()}
+
+    def check_finite(self, k, v) -> Array | None:
+        """Per-row flag of K/V a lossy code cannot represent (None: nothing to flag)."""
+        return None
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+@struct.dataclass
+class FloatCodec(KVCodec):
+    """K and V stored as they are, cast to `dtype` (float32, bfloat16 or float16)."""
+
+    dtype: str = struct.field(pytree_node=False, default="float32")
+
+    def __post_init__(self):
+        if jnp.dtype(self.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def record_spec(self, n_kv_heads, head_dim):
+        spec = jax.ShapeDtypeStruct((n_kv_heads, head_dim), jnp.dtype(self.dtype))
+        return {"k": spec, "v": spec}
+
+    def encode(self, k, v, positions):
+        return {"k": k.astype(self.dtype), "v": v.astype(self.dtype)}
+
+    def decode(self, records, positions):
+        return records["k"], records["v"]
+
+    def describe(self):
+        return jnp.dtype(self.dtype).name
+
+
+def as_codec(codec_or_dtype: "KVCodec | str") -> KVCodec:
+    """A codec, or a float dtype name meaning `FloatCodec(dtype)`."""
+    if isinstance(codec_or_dtype, KVCodec):
+        return codec_or_dtype
+    if isinstance(codec_or_dtype, str):
+        return FloatCodec(codec_or_dtype)
+    raise TypeError(f"codec must be a KVCodec or a float dtype name, got "
+                    f"{type(codec_or_dtype).__name__}")

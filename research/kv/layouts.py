@@ -1,0 +1,52 @@
+"""The layouts as one family: swap a layer's codec, keeping where its tokens live.
+
+A codec transform (int8, TaSQ, CQ, sign-bit, bf16 storage) changes *how* K/V are encoded
+and nothing else, so a model whose layers are dense, window rings or pages keeps them.
+Replacing is only allowed over the raw float32 default: a codec another transform
+installed, or a cache that is not a codec in a layout (an eviction press, KIVI), is never
+silently discarded; the transform refuses and names both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+from research.kv.base import KVCache
+from research.kv.codec import FloatCodec, KVCodec
+from research.kv.dense import DenseKVCache
+from research.kv.paged import PagedKVCache
+from research.kv.window import WindowKVCache
+
+if TYPE_CHECKING:  # type-only: research.model depends on research.kv, not the reverse
+    from research.model.llama import Model
+
+LAYOUTS = (DenseKVCache, WindowKVCache, PagedKVCache)
+
+
+def is_raw(cache: KVCache) -> bool:
+    """A layout over the default float32 codec (nothing installed by a transform yet)."""
+    return (isinstance(cache, LAYOUTS) and isinstance(cache.codec, FloatCodec)
+            and cache.codec.dtype == "float32")
+
+
+def with_codec(cache: KVCache, codec: KVCodec, who: str, layer: int,
+               replace_any_float: bool = False) -> KVCache:
+    """`cache` in the same layout with `codec`; refuses to discard another transform's
+    codec or a non-layout cache, naming `who` (the transform) and what it would discard."""
+    if not isinstance(cache, LAYOUTS):
+        raise TypeError(f"{who} would discard layer {layer}'s {cache.describe()} cache: "
+                        "codecs apply to dense, window and paged layouts only")
+    keep_ok = is_raw(cache) or (replace_any_float and isinstance(cache.codec, FloatCodec))
+    if not keep_ok:
+        raise TypeError(f"{who} would discard layer {layer}'s {cache.codec.describe()} codec "
+                        f"({cache.describe()}), installed by another transform; apply {who} "
+                        "to the model before that transform, or not at all")
+    return dataclasses.replace(cache, codec=codec)
+
+
+def replace_codecs(model: "Model", make_codec: Callable[[int], KVCodec], who: str,
+                   tag: str, replace_any_float: bool = False) -> "Model":
+    """Every layer's codec replaced by `make_codec(layer)`, layouts kept."""
+    caches = tuple(with_codec(cache, make_codec(i), who, i, replace_any_float)
+                   for i, cache in enumerate(model.caches))
+    return model.replace(caches=caches, tags=model.tags + (tag,))

@@ -1,0 +1,240 @@
+"""Every codec in every layout: prefill in chunks, decode, fork, rollback.
+
+One script of operations runs on a 2-layer model (layer 0 sliding-window, layer 1 global)
+whose caches hold the codec in the dense layout (the reference), in a window ring (the
+sliding layer) and in pages of a shared pool (both layers, forks sharing blocks
+copy-on-write). Each layout must give the logits of the same codec in the dense layout;
+the float32 codec must also give the logits of recomputing every sequence from scratch.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research.kv import paged
+from research.kv.block_allocator import BlockManager
+from research.kv.codec import FloatCodec
+from research.kv.dense import DenseKVCache
+from research.kv.quantized import Int8Codec
+from research.kv.window import WindowKVCache
+from research.model import forward, init_params, make_model, tiny_config
+from research.tasq.cq import CQCodec
+from research.tasq.sign import SignCodec, gaussian_projection
+from research.tasq.vq import VQCodec
+
+WINDOW, SLACK, BLOCK, MAX_LEN, CHUNK = 6, 4, 4, 32, 8
+CONFIG = tiny_config().with_interleaved_attention(window=WINDOW, globals_every=2)
+HKV, D = CONFIG.n_kv_heads, CONFIG.head_dim
+
+
+def _books(rng, heads, g, k=16):
+    return rng.normal(size=(heads, D // g, k, g)).astype(np.float32)
+
+
+def _perms(rng):
+    return np.stack([rng.permutation(D) for _ in range(HKV)])
+
+
+def _codec(name):
+    rng = np.random.default_rng(7)
+    if name == "f32":
+        return FloatCodec()
+    if name == "bf16":
+        return FloatCodec("bfloat16")
+    if name == "int8":
+        return Int8Codec()
+    if name == "sign":
+        return SignCodec(gaussian_projection(jax.random.key(3), HKV, D))
+    if name == "vq":  # plain VQ: shared codebook, identity channel order
+        return VQCodec.create(_books(rng, 1, 2), _books(rng, 1, 2))
+    if name == "tasq_post":  # TaSQ post-RoPE: per-head codebooks over permuted channels
+        return VQCodec.create(_books(rng, HKV, 2), _books(rng, HKV, 2), _perms(rng),
+                              _perms(rng), label="tasq")
+    if name == "cq":  # CQ-style: adjacent channel pairs, pre-RoPE keys
+        return CQCodec(jnp.asarray(_books(rng, HKV, 2)), jnp.asarray(_books(rng, HKV, 2)),
+                       rope_theta=CONFIG.rope_theta)
+    if name == "tasq_pre":  # TaSQ pre-RoPE: permuted groups, keys rebuilt and rotated
+        return CQCodec(jnp.asarray(_books(rng, HKV, 2)), jnp.asarray(_books(rng, HKV, 2)),
+                       rope_theta=CONFIG.rope_theta, key_perm=jnp.asarray(_perms(rng)),
+                       value_perm=jnp.asarray(_perms(rng)), label="tasq", block=4)
+    raise ValueError(name)
+
+
+CODECS = ("f32", "bf16", "int8", "sign", "vq", "tasq_post", "cq", "tasq_pre")
+PARAMS = init_params(CONFIG, jax.random.key(0))
+
+
+@jax.jit
+def _last_logits(model, tokens, states, start, n_new):
+    """One jitted forward (chunks padded to CHUNK tokens: one compile per batch size)."""
+    return forward(model, tokens, cache_states=states, start=start, n_new=n_new,
+                   logits="last")
+
+
+def _padded(chunks: list[list[int]]) -> jnp.ndarray:
+    toks = np.zeros((len(chunks), CHUNK), np.int32)
+    for i, c in enumerate(chunks):
+        toks[i, :len(c)] = c
+    return jnp.asarray(toks)
+
+
+def _model(codec, layout):
+    if layout == "dense":  # the reference: windowed attention over a full dense buffer
+        caches = (DenseKVCache(codec),) * 2
+    elif layout == "window":
+        caches = (WindowKVCache(WINDOW + SLACK, codec), DenseKVCache(codec))
+    else:
+        caches = (paged.PagedKVCache(codec, block_size=BLOCK, n_blocks=24),) * 2
+    return make_model(CONFIG, PARAMS).replace(caches=caches)
+
+
+class RowRunner:
+    """Dense and window layouts: row b of a batch-2 state is sequence b."""
+
+    def __init__(self, model):
+        self.model, self.states, self.lengths = model, model.init_cache(2, MAX_LEN), [0, 0]
+
+    def step(self, chunks: dict[int, list[int]]):
+        rows = [chunks.get(row, []) for row in range(2)]
+        out = _last_logits(self.model, _padded(rows), self.states,
+                           jnp.asarray(self.lengths, jnp.int32),
+                           jnp.asarray([len(c) for c in rows], jnp.int32))
+        self.states = out.cache_states
+        for row, c in chunks.items():
+            self.lengths[row] += len(c)
+        return {row: np.asarray(out.logits[row]) for row in chunks}
+
+    def fork(self, src, dst):
+        self.states = jax.tree.map(lambda x: x.at[dst].set(x[src]), self.states)
+        self.lengths[dst] = self.lengths[src]
+
+    def rollback(self, row, length):
+        self.lengths[row] = length
+        lengths = jnp.asarray(self.lengths, jnp.int32)
+        self.states = tuple(c.truncate(s, lengths)
+                            for c, s in zip(self.model.caches, self.states))
+
+
+class PagedRunner:
+    """Paged layout: sequences in a shared pool, forks share blocks copy-on-write."""
+
+    def __init__(self, model):
+        self.model, self.states = model, model.init_cache(1, MAX_LEN)
+        self.manager = BlockManager(24, BLOCK, max_blocks_per_seq=MAX_LEN // BLOCK)
+        self.seqs = {0: self.manager.new_sequence()}
+
+    def step(self, chunks):
+        rows = sorted(chunks)
+        seqs = [self.seqs[r] for r in rows]
+        lengths = [self.manager.length(s) for s in seqs]
+        copies = self.manager.reserve({s: len(chunks[r]) for s, r in zip(seqs, rows)})
+        if copies:
+            src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
+            self.states = paged.copy_blocks(self.states, src, dst)
+        states = paged.with_block_tables(
+            self.states, self.manager.block_table(seqs, n_rows=len(rows)))
+        out = _last_logits(self.model, _padded([chunks[r] for r in rows]), states,
+                           jnp.asarray(lengths, jnp.int32),
+                           jnp.asarray([len(chunks[r]) for r in rows], jnp.int32))
+        self.states = out.cache_states
+        return {r: np.asarray(out.logits[i]) for i, r in enumerate(rows)}
+
+    def fork(self, src, dst):
+        self.seqs[dst] = self.manager.fork(self.seqs[src])
+
+    def rollback(self, row, length):
+        self.manager.truncate(self.seqs[row], length)
+
+
+def _script(runner):
+    """Logits after each operation, and every sequence's tokens at that point."""
+    rng = np.random.default_rng(11)
+    toks = lambda n: rng.integers(0, CONFIG.vocab_size, n).tolist()  # noqa: E731
+    seqs, outs = {0: []}, []
+
+    def step(chunks):
+        for row, c in chunks.items():
+            seqs[row] = seqs[row] + c
+        outs.append((runner.step(chunks), {r: list(seqs[r]) for r in chunks}))
+
+    step({0: toks(7)})  # prefill crossing a block boundary, then a second chunk
+    step({0: toks(5)})
+    for _ in range(3):  # decode
+        step({0: toks(1)})
+    runner.fork(0, 1)  # mid-block fork: the shared partial block is copied on write
+    seqs[1] = list(seqs[0])
+    step({0: toks(2), 1: toks(3)})
+    runner.rollback(0, 13)  # rollback of 4 tokens (a rejected draft), then rewrite
+    seqs[0] = seqs[0][:13]
+    step({0: toks(2)})
+    step({0: toks(1), 1: toks(1)})
+    return outs
+
+
+def _run(codec, layout):
+    model = _model(codec, layout)
+    return _script(PagedRunner(model) if layout == "paged" else RowRunner(model))
+
+
+@pytest.mark.parametrize("codec_name", CODECS)
+def test_every_layout_equals_the_dense_layout_of_the_same_codec(codec_name):
+    codec = _codec(codec_name)
+    ref = _run(codec, "dense")
+    for layout in ("window", "paged"):
+        got = _run(codec, layout)
+        for (want_logits, _), (got_logits, _) in zip(ref, got):
+            for row in want_logits:
+                np.testing.assert_allclose(got_logits[row], want_logits[row], rtol=2e-4,
+                                           atol=2e-4, err_msg=f"{codec_name} in {layout}")
+
+
+def test_float32_dense_layout_equals_recomputing_from_scratch():
+    """The reference itself: cached f32 logits == a fresh forward over the whole sequence."""
+    model = make_model(CONFIG, PARAMS)
+    for logits, seqs in _run(FloatCodec(), "dense"):
+        for row, tokens in seqs.items():
+            padded = jnp.asarray([tokens + [0] * (MAX_LEN - len(tokens))], jnp.int32)
+            fresh = _last_logits(model, padded, model.init_cache(1, MAX_LEN),
+                                 jnp.zeros((1,), jnp.int32), jnp.asarray([len(tokens)]))
+            np.testing.assert_allclose(logits[row], np.asarray(fresh.logits[0]), rtol=1e-5,
+                                       atol=1e-5)
+
+
+def test_no_transform_silently_discards_another_transforms_cache(tiny):
+    """Documented exceptions (eviction presses, KIVI) and codec-over-codec are refused,
+    naming both the transform and what it would discard."""
+    from research.eviction import evict
+    from research.tasq.baselines import int8_kv, kivi_kv
+    from research.model.precision import kv_cache_dtype
+    from research.transforms import calibrate_and_apply
+
+    def apply(t, model):
+        return calibrate_and_apply(t, model, None)[0]
+
+    int8 = apply(int8_kv(), tiny)
+    with pytest.raises(TypeError, match=r"kv_cache_dtype\(bfloat16\) would discard layer 0's "
+                                        r"int8\[per-token\] codec"):
+        apply(kv_cache_dtype("bfloat16"), int8)
+    with pytest.raises(TypeError, match=r"kivi_kv would discard layer 0's dense\[int8"):
+        apply(kivi_kv(key_group=4, value_group=4, residual=4), int8)
+    with pytest.raises(TypeError, match=r"evict would discard layer 0's dense\[int8"):
+        apply(evict("snapkv", 0.5), int8)
+    pressed = apply(evict("snapkv", 0.5), tiny)
+    with pytest.raises(TypeError, match=r"paged_kv_cache would discard layer 0's evict\["):
+        apply(paged.paged_kv_cache(), pressed)
+    with pytest.raises(TypeError, match=r"int8_kv would discard layer 0's evict\["):
+        apply(int8_kv(), pressed)
+    kivi = apply(kivi_kv(key_group=4, value_group=4, residual=4), tiny)
+    with pytest.raises(TypeError, match=r"paged_kv_cache would discard layer 1's kivi\["):
+        apply(paged.paged_kv_cache(), kivi.replace(caches=(DenseKVCache(),) + kivi.caches[1:]))
+    # a float dtype is raw storage: bf16 over the default, and a codec over pages, compose
+    bf16 = apply(kv_cache_dtype("bfloat16"), apply(paged.paged_kv_cache(), tiny))
+    assert all(c.describe() == "paged16[bfloat16]" for c in bf16.caches)
+    paged_int8 = apply(int8_kv(), apply(paged.paged_kv_cache(), tiny))
+    assert all(c.describe() == "paged16[int8[per-token]]" for c in paged_int8.caches)
+
+
+def test_layouts_name_a_bad_codec():
+    for make in (DenseKVCache, lambda c: WindowKVCache(4, c), paged.PagedKVCache):
+        with pytest.raises(TypeError, match="codec must be a KVCodec"):
+            make("bfloat16")
