@@ -27,8 +27,6 @@ PENDING = {
         "llama's _block / _ffn become public (block / ffn) in another branch",
     ("research/patchkv/layerwise.py", "research.model.llama._ffn"):
         "llama's _block / _ffn become public (block / ffn) in another branch",
-    ("research/specscale/engine.py", "research.kv.paged._copy_pool_blocks"):
-        "the KV refactor (research/kv/paged.py, research/specscale/engine.py) owns both",
     ("scripts/gpu_check.py", "kernels_pallas.grouped_matmul.kernel._compiler_params"):
         "the kernels branch owns kernels_pallas/grouped_matmul",
 }
