@@ -31,8 +31,8 @@ QUICKSTART = [
                   "print(perplexity(model, ids, window=128, stride=64, max_windows=4))"),
     new_markdown_cell("## Transforms: a bf16 KV cache, and what it saves"),
     new_code_cell("from research.kv import memory\n"
-                  "from research.transforms import chain, kv_cache_dtype, "
-                  "calibrate_and_apply\n"
+                  "from research.model.precision import kv_cache_dtype\n"
+                  "from research.transforms import chain, calibrate_and_apply\n"
                   "bf16_model, _ = calibrate_and_apply(chain(kv_cache_dtype('bfloat16')), "
                   "model, None)\n"
                   "for name, m in [('f32', model), ('bf16', bf16_model)]:\n"

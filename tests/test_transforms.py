@@ -6,8 +6,9 @@ import pytest
 from research.kv.codec import FloatCodec
 from research.eval.perplexity import perplexity
 from research.kv.dense import DenseKVCache
+from research.model.precision import kv_cache_dtype, weights_dtype
 from research.transforms import (CalibrationData, Transform, calibrate_and_apply, chain,
-                                 frozen, identity, kv_cache_dtype, weights_dtype)
+                                 frozen, identity, stateless)
 
 
 def _recording(name, log):
@@ -74,3 +75,25 @@ def test_calibration_data():
         CalibrationData.from_ids(list(range(100)), seq_len=100, n_seqs=2)
     with pytest.raises(ValueError, match="empty sequence"):
         CalibrationData(jnp.zeros((2, 4), jnp.int32), jnp.array([4, 0])).validate()
+
+
+def test_stateless_has_an_empty_state_and_checks_its_arguments(tiny):
+    t = stateless(lambda model, state: model.replace(tags=model.tags + ("s",)), "tagger")
+    model, state = calibrate_and_apply(t, tiny, None)
+    assert state == () and model.tags == ("s",) and t.name == "tagger"
+    with pytest.raises(TypeError, match="apply must be callable"):
+        stateless("not a function", "x")
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        stateless(lambda model, state: model, "")
+
+
+def test_chain_rejects_what_is_not_a_transform():
+    with pytest.raises(TypeError, match="argument 1 must be a Transform"):
+        chain(identity(), lambda model: model)
+
+
+def test_calibration_data_of_one_context():
+    data = CalibrationData.from_context([5, 6, 7])
+    assert data.tokens.shape == (1, 3) and int(data.lengths[0]) == 3
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        CalibrationData.from_context([])

@@ -11,7 +11,8 @@ from research.eval.perplexity import perplexity
 from research.kv import memory
 from research.model import load
 from research.serving import generate as gen
-from research.transforms import chain, kv_cache_dtype, weights_dtype
+from research.model.precision import kv_cache_dtype, weights_dtype
+from research.transforms import chain
 
 VARIANTS = {"float32": chain(), "bfloat16": chain(weights_dtype("bfloat16"),
                                                   kv_cache_dtype("bfloat16"))}

@@ -16,15 +16,18 @@ from tqdm import tqdm
 from experiments import common
 from kernels_pallas.grouped_matmul import BlockSizes, GroupedMatmul
 from research import data as corpus
-from research.megaflux import (EPConfig, baselines, cost_model, ep_moe_ffn, metrics, planner,
-                               skew)
+from research.megaflux import (EPLB, NODES, SHAPES, EPConfig, SkewSpec, capacity_plan,
+                               device_loads, ep_moe_ffn, gamma, instance_counts, max_vio,
+                               megaflux, per_device_histograms, plan_replicas, static_plan,
+                               step_times, synthetic_routing, used_slots)
 from research.model import layers
 from research.model.llama import forward
-from research.moe import TrainConfig, data as bytes_data, routing_traces, train
+from research.moe import TrainConfig, batch_at, encode, routing_traces, train
+from research.transforms import calibrate_and_apply
 
 METHODS = ("static EP", "EPLB", "capacity 1.25", "MegaFlux")
-_plan = jax.jit(planner.plan_replicas, static_argnums=(1, 2, 3))
-_counts = jax.jit(planner.instance_counts)
+_plan = jax.jit(plan_replicas, static_argnums=(1, 2, 3))
+_counts = jax.jit(instance_counts)
 
 
 # ------------------------------------------------------------------ trained model + traces
@@ -38,7 +41,7 @@ def train_model(config, out_dir: Path):
 def collect_traces(model, config, out_dir: Path) -> np.ndarray:
     """[layers, steps, tokens, top_k] routing of held-out windows; saved to traces.npz."""
     t = config.traces
-    ids = bytes_data.encode(corpus.corpus_text(t.split))
+    ids = encode(corpus.corpus_text(t.split))
     tokens = t.tokens_per_device * config.ep.n_devices
     traces = routing_traces(model, ids, n_steps=t.steps, tokens_per_step=tokens,
                             seq_len=config.train.seq_len, seed=config.seed + 1)
@@ -52,7 +55,7 @@ def plan_all_methods(hists: np.ndarray, slots: int, config) -> list[dict]:
     """Per step: {method: (plan, dropped assignments, replica slots newly filled)}."""
     m = config.methods
     d = hists.shape[1]
-    eplb = baselines.EPLB(d, slots, interval=m.eplb_interval, decay=m.eplb_decay)
+    eplb = EPLB(d, slots, interval=m.eplb_interval, decay=m.eplb_decay)
     out = []
     for h in hists:
         loads = h.sum(axis=0)
@@ -60,11 +63,11 @@ def plan_all_methods(hists: np.ndarray, slots: int, config) -> list[dict]:
         min_tokens = max(1, int(m.min_replica_frac * loads.sum() / d))
         mf = jax.tree.map(np.asarray, _plan(jl, d, slots, min_tokens))
         ep, changed = eplb.step(loads)
-        cap, dropped = baselines.capacity_plan(loads, d, m.capacity_factor)
-        out.append({"static EP": (jax.tree.map(np.asarray, planner.static_plan(jl, d)), 0, 0),
+        cap, dropped = capacity_plan(loads, d, m.capacity_factor)
+        out.append({"static EP": (jax.tree.map(np.asarray, static_plan(jl, d)), 0, 0),
                     "EPLB": (ep, 0, changed),
                     "capacity 1.25": (cap, dropped, 0),
-                    "MegaFlux": (mf, 0, metrics.used_slots(mf.slot_expert))})
+                    "MegaFlux": (mf, 0, used_slots(mf.slot_expert))})
     return out
 
 
@@ -107,9 +110,9 @@ def measure_max_device_seconds(groups: dict, weights, x: np.ndarray, repeats: in
 def evaluate(name: str, runs: list[np.ndarray], slots: int, config, measure_rng,
              planner_s: float) -> list[dict]:
     """Rows (one per method) for a scenario given its runs of [steps, D, E] histograms."""
-    nodes = [cost_model.NODES[n] for n in config.model.nodes]
-    shapes = [cost_model.SHAPES[s] for s in config.model.shapes]
-    primary = cost_model.SHAPES[config.model.primary_shape]
+    nodes = [NODES[n] for n in config.model.nodes]
+    shapes = [SHAPES[s] for s in config.model.shapes]
+    primary = SHAPES[config.model.primary_shape]
     ms = config.measure
     n_groups = runs[0].shape[2] // runs[0].shape[1] + slots
     weights = tuple(measure_rng.standard_normal((n_groups, *s), dtype=np.float32) * 0.1
@@ -122,23 +125,23 @@ def evaluate(name: str, runs: list[np.ndarray], slots: int, config, measure_rng,
             for s in shapes:
                 acc[m][f"{n.name}|{s.name}|fwd"] = []
                 acc[m][f"{n.name}|{s.name}|bwd"] = []
-    max_vio = []
+    vio = []
     warmup = config.methods.eplb_interval  # EPLB has no history before its first re-plan
     for r, hists in enumerate(runs):
         steps = plan_all_methods(hists, slots, config)
         for t in range(warmup, len(hists)):
             h = hists[t]
-            max_vio.append(metrics.max_vio(h.sum(axis=0)))
+            vio.append(max_vio(h.sum(axis=0)))
             for m, (plan, dropped, moved) in steps[t].items():
                 a = acc[m]
-                a["gamma"].append(metrics.gamma(planner.device_loads(plan)))
+                a["gamma"].append(gamma(device_loads(plan)))
                 a["dropped"].append(dropped / h.sum())
                 a["moved"].append(moved * primary.expert_bytes)
                 for n in nodes:
                     for s in shapes:
-                        st = cost_model.step_times(jax.tree.map(jnp.asarray, plan),
-                                                   jnp.asarray(h, jnp.int32), n, s,
-                                                   planner_s if m == "MegaFlux" else 0.0)
+                        st = step_times(jax.tree.map(jnp.asarray, plan),
+                                        jnp.asarray(h, jnp.int32), n, s,
+                                        planner_s if m == "MegaFlux" else 0.0)
                         a[f"{n.name}|{s.name}|fwd"].append(st["fwd_s"])
                         a[f"{n.name}|{s.name}|bwd"].append(st["bwd_s"])
             if r == 0 and t < warmup + ms.steps:
@@ -151,7 +154,7 @@ def evaluate(name: str, runs: list[np.ndarray], slots: int, config, measure_rng,
     rows = []
     for m in METHODS:
         row = {"scenario": name, "method": m, "gamma": mean[m]["gamma"],
-               "MaxVio": float(np.mean(max_vio)), "dropped_%": 100 * mean[m]["dropped"],
+               "MaxVio": float(np.mean(vio)), "dropped_%": 100 * mean[m]["dropped"],
                "replica_MB/step": mean[m]["moved"] / 1e6,
                "cpu_max_device_ms": 1e3 * mean[m]["measured"],
                "cpu_speedup": mean["static EP"]["measured"] / mean[m]["measured"]}
@@ -180,9 +183,8 @@ def ffn_inputs(model, tokens) -> jax.Array:
 def layer_check(model, config) -> dict:
     """Replicated EP layer on 8 devices vs the dense reference on real hidden states."""
     mesh = Mesh(np.array(jax.devices()[:config.ep.n_devices]), ("ep",))
-    ids = bytes_data.encode(corpus.corpus_text(config.traces.split))
-    tokens = jnp.asarray(bytes_data.batch_at(ids, 0, 8, config.train.seq_len - 1,
-                                             config.seed + 2))
+    ids = encode(corpus.corpus_text(config.traces.split))
+    tokens = jnp.asarray(batch_at(ids, 0, 8, config.train.seq_len - 1, config.seed + 2))
     x = ffn_inputs(model, tokens)
     p = {k: model.params["layers"][0][k] for k in ("router", "w_gate", "w_up", "w_down")}
     moe = model.config.moe
@@ -201,12 +203,28 @@ def layer_check(model, config) -> dict:
     g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(x, p)
     rel = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
               for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
-    static = planner.device_loads(planner.static_plan(jnp.sum(stats.hist, axis=0),
-                                                      config.ep.n_devices))
+    static = device_loads(static_plan(jnp.sum(stats.hist, axis=0), config.ep.n_devices))
     return {"tokens": int(x.shape[0]), "y_max_abs_err": float(jnp.max(jnp.abs(y - y_ref))),
             "grad_max_rel_err": rel, "dropped": int(stats.dropped),
-            "gamma_layer": metrics.gamma(stats.device_load), "gamma_static": metrics.gamma(
-                static), "replicas": metrics.used_slots(stats.plan.slot_expert)}
+            "gamma_layer": gamma(stats.device_load), "gamma_static": gamma(
+                static), "replicas": used_slots(stats.plan.slot_expert)}
+
+
+def model_check(model, config) -> dict:
+    """The whole trained model through the `megaflux()` transform (every MoE layer expert-
+    parallel on the mesh, replicas planned per step) vs the dense model: logits on real
+    held-out windows."""
+    mesh = Mesh(np.array(jax.devices()[:config.ep.n_devices]), ("ep",))
+    ids = encode(corpus.corpus_text(config.traces.split))
+    tokens = jnp.asarray(batch_at(ids, 1, 8, config.train.seq_len - 1, config.seed + 3))
+    ep_model, _ = calibrate_and_apply(
+        megaflux(mesh, replica_slots=config.traces.replica_slots, transport="padded",
+                 matmul=GroupedMatmul("xla_tiled", block_sizes=BlockSizes(bm=32))),
+        model, None)
+    logits = jax.jit(lambda m, t: forward(m, t).logits)
+    want, got = logits(model, tokens), logits(ep_model, tokens)
+    return {"tokens": int(tokens.size), "transform": "megaflux",
+            "logits_max_abs_err": float(jnp.max(jnp.abs(got - want)))}
 
 
 # ----------------------------------------------------------------------------- report
@@ -232,23 +250,25 @@ def run(config, out_dir: Path) -> common.Report:
     rows = []
     scenarios = [(z, dr) for z, dr in syn.scenarios]
     for zipf, drift in tqdm(scenarios, desc="synthetic scenarios"):
-        spec = skew.SkewSpec(zipf=zipf, drift=drift)
-        runs = [skew.per_device_histograms(skew.synthetic_routing(
+        spec = SkewSpec(zipf=zipf, drift=drift)
+        runs = [per_device_histograms(synthetic_routing(
             spec, syn.n_experts, syn.top_k, syn.tokens_per_device * d, syn.steps, seed), d,
             syn.n_experts) for seed in syn.seeds]
         rows += evaluate(f"zipf {zipf:g}, drift {drift:g}", runs, syn.replica_slots, config,
                          measure_rng, planner_s)
-    real_runs = [skew.per_device_histograms(traces[layer], d, tc.n_experts)
+    real_runs = [per_device_histograms(traces[layer], d, tc.n_experts)
                  for layer in range(traces.shape[0])]
     rows += evaluate(f"trained router ({traces.shape[0]} layers)", real_runs,
                      config.traces.replica_slots, config, measure_rng, planner_s)
     check = layer_check(trained.model, config)
-    return _report(config, rows, check, trained, train_s, tc, planner_s, out_dir)
+    whole = model_check(trained.model, config)
+    return _report(config, rows, check, whole, trained, train_s, tc, planner_s, out_dir)
 
 
-def _report(config, rows, check, trained, train_s, tc, planner_s, out_dir) -> common.Report:
+def _report(config, rows, check, whole, trained, train_s, tc, planner_s,
+            out_dir) -> common.Report:
     node, shape = config.model.primary_node, config.model.primary_shape
-    key = f"{cost_model.NODES[node].name}|{shape}"
+    key = f"{NODES[node].name}|{shape}"
     mf = [r for r in rows if r["method"] == "MegaFlux"]
     by = {(r["scenario"], r["method"]): r for r in rows}
     fwd = _geomean([r[f"{key}|fwd_x"] for r in mf])
@@ -277,6 +297,9 @@ def _report(config, rows, check, trained, train_s, tc, planner_s, out_dir) -> co
                      "y err <= 1e-4, grad rel err <= 1e-5",
                      f"{check['y_max_abs_err']:.1e}, {check['grad_max_rel_err']:.1e}",
                      check["y_max_abs_err"] <= 1e-4 and check["grad_max_rel_err"] <= 1e-5),
+        common.claim("model through megaflux() == dense model (f32 logits)", "err <= 1e-4",
+                     f"{whole['logits_max_abs_err']:.1e}",
+                     whole["logits_max_abs_err"] <= 1e-4),
         common.claim("dropless (MegaFlux dropped assignments)", "0",
                      f"{max(r['dropped_%'] for r in mf):.2f}% (capacity 1.25 drops up to "
                      f"{max(r['dropped_%'] for r in rows if r['method'] == 'capacity 1.25'):.1f}%)",
@@ -337,7 +360,7 @@ def _report(config, rows, check, trained, train_s, tc, planner_s, out_dir) -> co
     return common.Report(
         columns=columns, rows=rows, title="MegaFlux: runtime expert replication (8 devices)",
         claims=claims, notes=notes, plot=plot,
-        extra={"layer_check": check, "geomean_speedups": geo,
+        extra={"layer_check": check, "model_check": whole, "geomean_speedups": geo,
                "train_losses": trained.losses.tolist(), "planner_s": planner_s,
-               "nodes": {k: dataclasses.asdict(v) for k, v in cost_model.NODES.items()},
-               "shapes": {k: dataclasses.asdict(v) for k, v in cost_model.SHAPES.items()}})
+               "nodes": {k: dataclasses.asdict(v) for k, v in NODES.items()},
+               "shapes": {k: dataclasses.asdict(v) for k, v in SHAPES.items()}})

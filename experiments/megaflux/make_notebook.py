@@ -30,22 +30,24 @@ CELLS = [
     new_code_cell(
         "import jax, jax.numpy as jnp, numpy as np\n"
         "jax.config.update('jax_default_matmul_precision', 'highest')\n"
-        "from research.megaflux import (EPConfig, ep_moe_ffn, planner, skew, metrics,\n"
-        "                               baselines, cost_model)\n"
+        "from research.megaflux import (B200, DEEPSEEK_V3_EXPERT, H200, EPConfig, SkewSpec,\n"
+        "                               device_loads, ep_moe_ffn, gamma, max_vio,\n"
+        "                               per_device_histograms, plan_replicas, static_plan,\n"
+        "                               step_times, synthetic_routing)\n"
         "print(jax.device_count(), 'devices')"),
     new_markdown_cell("## Skew and the per-step plan\n\n64 experts, top-8, Zipf 1.2: the "
                       "static placement's straggler factor gamma vs the water-filling plan "
                       "with 4 replica slots per device."),
     new_code_cell(
-        "ids = skew.synthetic_routing(skew.SkewSpec(zipf=1.2), n_experts=64, top_k=8,\n"
+        "ids = synthetic_routing(SkewSpec(zipf=1.2), n_experts=64, top_k=8,\n"
         "                             n_tokens=8 * 2048, n_steps=1, seed=0)\n"
-        "hist = skew.per_device_histograms(ids, 8, 64)[0]     # [source device, expert]\n"
+        "hist = per_device_histograms(ids, 8, 64)[0]     # [source device, expert]\n"
         "loads = jnp.asarray(hist.sum(0), jnp.int32)\n"
-        "static = planner.static_plan(loads, 8)\n"
-        "plan = jax.jit(planner.plan_replicas, static_argnums=(1, 2, 3))(loads, 8, 4, 300)\n"
-        "print('MaxVio', round(metrics.max_vio(loads), 2))\n"
-        "print('static gamma', round(metrics.gamma(planner.device_loads(static)), 3),\n"
-        "      '-> MegaFlux gamma', round(metrics.gamma(planner.device_loads(plan)), 3))\n"
+        "static = static_plan(loads, 8)\n"
+        "plan = jax.jit(plan_replicas, static_argnums=(1, 2, 3))(loads, 8, 4, 300)\n"
+        "print('MaxVio', round(max_vio(loads), 2))\n"
+        "print('static gamma', round(gamma(device_loads(static)), 3),\n"
+        "      '-> MegaFlux gamma', round(gamma(device_loads(plan)), 3))\n"
         "print('replica slots (expert per slot, -1 empty):')\n"
         "print(np.asarray(plan.slot_expert))"),
     new_markdown_cell("## The expert-parallel layer: same outputs and gradients as the "
@@ -70,7 +72,7 @@ CELLS = [
         "print('max |y - y_ref|', float(jnp.max(jnp.abs(y - y_ref))), '| dropped', "
         "int(stats.dropped))\n"
         "print('device loads', np.asarray(stats.device_load), 'static would be',\n"
-        "      np.asarray(planner.device_loads(planner.static_plan(stats.hist.sum(0), 8))))\n"
+        "      np.asarray(device_loads(static_plan(stats.hist.sum(0), 8))))\n"
         "loss = lambda f: (lambda x, p: jnp.sum(f(x, p)[0] ** 2))\n"
         "g = jax.jit(jax.grad(loss(lambda x, p: ep_moe_ffn(x, p, mesh, cfg)), argnums=1))(x, p)\n"
         "g_ref = jax.grad(loss(lambda x, p: layers.moe_ffn(x, p, 2, True)), argnums=1)(x, p)\n"
@@ -93,9 +95,9 @@ CELLS = [
                       "(constants in `cost_model.py`)."),
     new_code_cell(
         "hist_j = jnp.asarray(hist, jnp.int32)\n"
-        "for node in (cost_model.B200, cost_model.H200):\n"
-        "    s = cost_model.step_times(static, hist_j, node, cost_model.DEEPSEEK_V3_EXPERT)\n"
-        "    m = cost_model.step_times(plan, hist_j, node, cost_model.DEEPSEEK_V3_EXPERT,\n"
+        "for node in (B200, H200):\n"
+        "    s = step_times(static, hist_j, node, DEEPSEEK_V3_EXPERT)\n"
+        "    m = step_times(plan, hist_j, node, DEEPSEEK_V3_EXPERT,\n"
         "                              planner_s=2e-4)\n"
         "    print(node.name, f\"fwd {s['fwd_s'] * 1e3:.2f} -> {m['fwd_s'] * 1e3:.2f} ms \"\n"
         "          f\"({s['fwd_s'] / m['fwd_s']:.2f}x), bwd {s['bwd_s'] * 1e3:.2f} -> \"\n"
@@ -106,19 +108,19 @@ CELLS = [
     new_code_cell(
         "import tempfile\n"
         "from research import data\n"
-        "from research.moe import TrainConfig, train, routing_traces, data as byte_data\n"
+        "from research.moe import TrainConfig, encode, train, routing_traces\n"
         "tc = TrainConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, n_experts=8, top_k=2,\n"
         "                 expert_ffn_dim=32, seq_len=64, batch_size=8, steps=6, warmup=2)\n"
         "result = train(tc, tempfile.mkdtemp(), progress=False)\n"
         "print('loss', result.losses[0].round(3), '->', result.losses[-1].round(3))\n"
-        "ids = byte_data.encode(data.corpus_text('heldout'))\n"
+        "ids = encode(data.corpus_text('heldout'))\n"
         "traces = routing_traces(result.model, ids, n_steps=2, tokens_per_step=8 * 64,\n"
         "                        seq_len=64)\n"
-        "h = skew.per_device_histograms(traces[0], 8, 8)[0]\n"
+        "h = per_device_histograms(traces[0], 8, 8)[0]\n"
         "l = jnp.asarray(h.sum(0), jnp.int32)\n"
-        "print('layer 0: static gamma', round(metrics.gamma(planner.device_loads(\n"
-        "    planner.static_plan(l, 8))), 2), '-> planned', round(metrics.gamma(\n"
-        "    planner.device_loads(planner.plan_replicas(l, 8, 2))), 2))"),
+        "print('layer 0: static gamma', round(gamma(device_loads(\n"
+        "    static_plan(l, 8))), 2), '-> planned', round(gamma(\n"
+        "    device_loads(plan_replicas(l, 8, 2))), 2))"),
 ]
 
 

@@ -14,26 +14,27 @@ from tqdm.auto import tqdm
 
 from experiments import common
 from research import data
+from research.eviction import POLICIES, evict, trim_states
 from research.kv.base import state_nbytes
-from research.eviction.press import evict, trim_states
-from research.eviction.policies import POLICIES
 from research.kv.memory import kv_cache_bytes
 from research.model import load
-from research.patchkv import baselines, patch, session, tasks
-from research.patchkv.probes import ProbeConfig, probe_context, reference_model
-from research.patchkv.ridge import RidgeConfig
+from research.patchkv import (ContextCache, ProbeConfig, RidgeConfig, am, answer_queries,
+                              attention_error, continuation_tasks, decode_flops, exact_match,
+                              grkv, param_shapes, patch_nbytes, patchkv, prefill_batch,
+                              probe_context, reference_model, reply_prefix, retrieval_task,
+                              score_continuations, summarize)
 from research.serving.generate import default_stop_tokens
 from research.tasq import TaSQConfig, tasq
-from research.transforms import CalibrationData, Transform, calibrate_and_apply, frozen
+from research.transforms import CalibrationData, Transform, calibrate_and_apply, chain, frozen
 
-# name -> factory(ratio) -> Transform whose caches compress the context (eviction presses).
-COMPRESSIONS = {name: (lambda ratio, name=name: evict(name, ratio)) for name in POLICIES}
 TARGET_COMPRESSIONS = ("snapkv", "streaming_llm", "tasq-1bit")
 TARGET_BUDGETS = (0.1, 0.25)
-
-
-def _calibration(context) -> CalibrationData:
-    return CalibrationData(jnp.asarray(np.asarray(context)[None]), jnp.asarray([len(context)]))
+# A method is a tuple of per-context steps chained after the press (research/transforms.py):
+# () = the press alone ("none"); ("grkv", "patchkv") = the GRKV refit cache, then a
+# PatchKV patch fit over it. Refits need evicted slots (eviction presses only); "patchkv",
+# a weight patch, comes last: the context is prefilled by the model before it.
+REFITS = {"grkv": grkv, "am": am}
+STEPS = (*REFITS, "patchkv")
 
 
 class Variant(dict):
@@ -50,73 +51,87 @@ class Variant(dict):
         return self.get("summary", {}).get("query_scale")
 
 
-def make_variants(compressed, states, probed, methods, ridge_cfg, patch_kwargs=None):
-    """Each method's (model, context states) over the same compressed context."""
-    out = {}
-    for method in methods:
+def method_name(steps: tuple) -> str:
+    return "+".join(steps) or "none"
+
+
+def check_method(steps) -> tuple:
+    """A method's steps as a tuple of names from STEPS, with "patchkv" only last."""
+    if isinstance(steps, str) or not isinstance(steps, (tuple, list)):
+        raise TypeError(f"a method must be a tuple of steps from {STEPS}, e.g. () or "
+                        f"('grkv', 'patchkv'), got {steps!r}")
+    steps = tuple(steps)
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        raise ValueError(f"method {steps}: unknown steps {unknown}; expected some of {STEPS}")
+    if "patchkv" in steps[:-1] or len(set(steps)) != len(steps):
+        raise ValueError(f"method {steps}: each step at most once, 'patchkv' last")
+    return steps
+
+
+def press_transform(name: str, ratio: float) -> Transform:
+    """An eviction press (a name in research.eviction.POLICIES) at `ratio`."""
+    if name not in POLICIES:
+        raise ValueError(f"compression {name!r} is not an eviction policy {sorted(POLICIES)}")
+    return evict(name, ratio)
+
+
+def method_transforms(steps, probes: ProbeConfig, ridge_cfg: RidgeConfig,
+                      patch_kwargs: dict | None = None) -> tuple[Transform, ...]:
+    """The per-context transforms of a method, in order."""
+    return tuple(patchkv(probes=probes, ridge_config=ridge_cfg, **(patch_kwargs or {}))
+                 if s == "patchkv" else REFITS[s](probes=probes, ridge_config=ridge_cfg)
+                 for s in check_method(steps))
+
+
+def make_variants(model, press: Transform, probed, methods, ridge_cfg, patch_kwargs=None):
+    """Each method's chain(press, *steps), calibrated on the probed context (the probes are
+    shared) and applied to `model`, with the context's cache as it serves it: prefilled by
+    the chain's model before the PatchKV patch."""
+    out, cache_states = {}, {}
+    for steps in map(check_method, methods):
+        ts = method_transforms(steps, probed.config or ProbeConfig(), ridge_cfg,
+                               patch_kwargs)
         t0 = time.perf_counter()
-        base = method.removesuffix("+patchkv")  # a composition's baseline
-        if method == "none":
-            out[method] = Variant(model=compressed, states=states, fit_s=0.0, patch_bytes=0)
-        elif method.startswith("patchkv"):
-            out[method] = _patched(compressed, states, probed, ridge_cfg, patch_kwargs, 0.0)
-        elif method in baselines.METHODS:
-            out[method] = Variant(model=compressed, states=_refit(compressed, states, probed,
-                                                                   method, ridge_cfg),
-                                  fit_s=time.perf_counter() - t0, patch_bytes=0)
-        elif base in baselines.METHODS:
-            # composition: the baseline's refit cache, then a W_o patch fit over it
-            new = _refit(compressed, states, probed, base, ridge_cfg)
-            out[method] = _patched(compressed, new, probed, ridge_cfg, patch_kwargs,
-                                   time.perf_counter() - t0)
-        else:
-            raise ValueError(f"unknown method {method!r}")
+        served, states = calibrate_and_apply(chain(press, *ts), model, probed)
+        fit_s = time.perf_counter() - t0 if steps else 0.0
+        patched = steps[-1:] == ("patchkv",)
+        before_patch = steps[:-1] if patched else steps
+        if before_patch not in cache_states:
+            n = 1 + len(before_patch)
+            cache_model = chain(press, *ts[:n - 1]).apply(model, states[:n])
+            cache_states[before_patch] = prefilled(cache_model, probed)[1]
+        v = Variant(model=served, states=cache_states[before_patch], fit_s=fit_s,
+                    patch_bytes=patch_nbytes(states[-1]) if patched else 0)
+        if patched:
+            v["summary"] = summarize(states[-1])
+        out[method_name(steps)] = v
     return out
 
 
-def _refit(compressed, states, probed, method, ridge_cfg):
-    new = baselines.refit_values(compressed, states, probed, method=method,
-                                 ridge_config=ridge_cfg)
-    return jax.block_until_ready(new)
-
-
-def _patched(compressed, states, probed, ridge_cfg, patch_kwargs, refit_s):
-    """PatchKV over `states`; fit_s adds the `refit_s` spent building those states."""
-    state = patch.fit_patches(compressed, probed, states=states, ridge_config=ridge_cfg,
-                              **(patch_kwargs or {}))
-    return Variant(model=patch.apply_patch(compressed, state), states=states,
-                   fit_s=refit_s + state.fit_seconds, patch_bytes=patch.patch_nbytes(state),
-                   summary=patch.summarize(state))
-
-
 def score_continuation(variant, length, task, full_contrib):
-    ctx = session.ContextCache(variant["states"], length, None)
-    s = session.score_continuations(variant["model"], ctx, task.continuations, attention=True)
+    ctx = ContextCache(variant["states"], length, None)
+    s = score_continuations(variant["model"], ctx, task.continuations, attention=True)
     return {"nll_sum": s.nll * s.n_tokens, "n": s.n_tokens,
-            "attn_err": session.attention_error(s.attn_contrib, full_contrib)}
+            "attn_err": attention_error(s.attn_contrib, full_contrib)}
 
 
 def score_retrieval(variant, length, task, tok, max_new, stops):
-    ctx = session.ContextCache(variant["states"], length, None)
-    outs = session.answer_queries(variant["model"], ctx, task.questions,
+    ctx = ContextCache(variant["states"], length, None)
+    outs = answer_queries(variant["model"], ctx, task.questions,
                                   max_new_tokens=max_new, stop_tokens=stops)
     texts = [tok.decode(o, skip_special=True) for o in outs]
-    correct = sum(tasks.exact_match(t, a) for t, a in zip(texts, task.answers))
+    correct = sum(exact_match(t, a) for t, a in zip(texts, task.answers))
     return {"correct": correct, "asked": len(task.answers), "samples": texts[:2]}
 
 
-def compressed_states(model, name, ratio, probed):
-    return prefilled(COMPRESSIONS[name](ratio).apply(model, ()), probed)
-
-
-def quantized_states(model, quantizer, probed):
-    """(model with a calibrated, frozen quantizer's caches, the context's states)."""
-    return prefilled(calibrate_and_apply(quantizer, model, None)[0], probed)
+def press_states(model, press: Transform, probed):
+    """(model with the press's caches, the context's states as it prefills them)."""
+    return prefilled(calibrate_and_apply(press, model, probed)[0], probed)
 
 
 def prefilled(compressed, probed):
-    _, states = session.prefill_batch(compressed, probed.tokens, probed.lengths,
-                                      probed.max_len)
+    _, states = prefill_batch(compressed, probed.tokens, probed.lengths, probed.max_len)
     return compressed, states
 
 
@@ -151,13 +166,14 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
     """All compressions x budgets x methods on context `index` of its kind; appends raw
     records (each tagged with the context index). text: the probes' text-row pool."""
     first = len(records)
-    probed = probe_context(model, _calibration(task.context), probe_cfg, text)
+    probed = probe_context(model, CalibrationData.from_context(task.context), probe_cfg,
+                           text)
     length = len(task.context)
     ref = reference_model(model)
     ref_variant = Variant(model=ref, states=probed.ref_states)
     if kind == "continuation":
-        ctx = session.ContextCache(probed.ref_states, length, None)
-        full = session.score_continuations(ref, ctx, task.continuations, attention=True)
+        ctx = ContextCache(probed.ref_states, length, None)
+        full = score_continuations(ref, ctx, task.continuations, attention=True)
         full_contrib = full.attn_contrib
         score = lambda v: score_continuation(v, length, task, full_contrib)  # noqa: E731
     else:
@@ -166,22 +182,22 @@ def run_context(kind, model, tok, task, config, probe_cfg, ridge_cfg, quantizers
                                           config.retrieval.max_new_tokens, stops)
     records.append({"kind": kind, "compression": "full", "budget": 1.0, "method": "full",
                     "probe_s": probed.seconds, **score(ref_variant)})
+    methods = [check_method(m) for m in config.methods]
     for name in config.compressions:
         for ratio in config.budgets:
-            m, states = compressed_states(model, name, ratio, probed)
-            kept = kv_kept_bytes(states)
-            for method, v in make_variants(m, states, probed, config.methods, ridge_cfg,
+            press = press_transform(name, ratio)
+            kept = kv_kept_bytes(press_states(model, press, probed)[1])
+            for method, v in make_variants(model, press, probed, methods, ridge_cfg,
                                            patch_kwargs(config, "eviction")).items():
                 records.append(_record(kind, name, ratio, method, v, score, kv_bytes=kept))
             bar.update(1)
+    # Value refits (grkv, am) need evicted slots: quantizers get the press alone / PatchKV.
+    quantizer_methods = [m for m in methods if not set(m) & set(REFITS)]
     for name, quantizer in quantizers.items():
-        # Value refits (grkv, am) need evicted slots: quantizers get no patch / PatchKV.
-        m, states = quantized_states(model, quantizer, probed)
-        kept = kv_kept_bytes(states)
+        kept = kv_kept_bytes(press_states(model, quantizer, probed)[1])
         budget = kept / kv_kept_bytes(probed.ref_states)  # byte fraction vs the f32 cache
-        methods = [x for x in config.methods if x in ("none", "patchkv")]
-        for method, v in make_variants(m, states, probed, methods, ridge_cfg,
-                                       patch_kwargs(config, "quantizer")).items():
+        for method, v in make_variants(model, quantizer, probed, quantizer_methods,
+                                       ridge_cfg, patch_kwargs(config, "quantizer")).items():
             records.append(_record(kind, name, budget, method, v, score, kv_bytes=kept))
         bar.update(1)
     if kind == "continuation":
@@ -219,7 +235,7 @@ def run_ablations(model, config, probed, ridge_cfg, score, records):
     64 (stored as factors: ~1/5 of the dense bytes), no strength selection and no W_down
     patch (W_o only)."""
     name, ratio = config.compressions[0], min(config.budgets)
-    m, states = compressed_states(model, name, ratio, probed)
+    press = press_transform(name, ratio)
     default = patch_kwargs(config, "eviction")
     options = {"independent": ({**default, "sequential": False}, ridge_cfg),
                "residual": ({**default, "target": "residual"}, ridge_cfg),
@@ -232,7 +248,7 @@ def run_ablations(model, config, probed, ridge_cfg, score, records):
         if ablation not in options:
             raise ValueError(f"unknown ablation {ablation!r}; expected one of {ABLATIONS}")
         kwargs, rc = options[ablation]
-        v = make_variants(m, states, probed, ["patchkv"], rc, kwargs)["patchkv"]
+        v = make_variants(model, press, probed, [("patchkv",)], rc, kwargs)["patchkv"]
         records.append(_record("continuation", name, ratio, f"patchkv[{ablation}]", v,
                                score))
 
@@ -294,15 +310,17 @@ def flops_check(model, name, ratio, probed, ffn=False) -> dict:
     """XLA cost-analysis FLOPs of the compiled decode step, unpatched vs patched (the
     fitted W_o patch, and W_down patch with `ffn`, plus a W_q scale as the quantised
     caches' patches carry)."""
-    m, states = compressed_states(model, name, ratio, probed)
-    state = patch.fit_patches(m, probed, states=states, ffn=ffn)
+    press = press_transform(name, ratio)
+    t = chain(press, patchkv(probes=probed.config or ProbeConfig(), ffn=ffn))
+    press_state, state = t.calibrate(model, probed)
     c = model.config
     state = state._replace(query_scales=(np.full(c.n_heads, 1.2, np.float32),) * c.n_layers)
-    patched = patch.apply_patch(m, state)
+    m, states = prefilled(press.apply(model, press_state), probed)
+    patched = t.apply(model, (press_state, state))
     lengths = probed.lengths[:1]
-    return {"flops_unpatched": session.decode_flops(m, states, lengths),
-            "flops_patched": session.decode_flops(patched, states, lengths),
-            "same_param_shapes": session.param_shapes(m) == session.param_shapes(patched)}
+    return {"flops_unpatched": decode_flops(m, states, lengths),
+            "flops_patched": decode_flops(patched, states, lengths),
+            "same_param_shapes": param_shapes(m) == param_shapes(patched)}
 
 
 def claims(rows, config, flops):
@@ -343,7 +361,7 @@ def make_plot(rows, config):
         for i, (key, label) in enumerate(metrics):
             ax = fig.add_subplot(1, 2, i + 1)
             for name in config.compressions:
-                for method, style in zip(config.methods,
+                for method, style in zip(map(method_name, config.methods),
                                          itertools.cycle(("-", "-", "--", ":", "-."))):
                     pts = [(r["budget"], r[key]) for r in rows if r["compression"] == name
                            and r["method"] == method and key in r]
@@ -373,7 +391,7 @@ def chat_probes(probe_cfg: ProbeConfig, config, tok) -> ProbeConfig:
     """Probes for chat contexts (retrieval: the context is an open user turn): the
     config's `retrieval.probes` overrides, with the tokenizer's reply prefix."""
     return dataclasses.replace(probe_cfg, **config.retrieval.get("probes", {}),
-                               reply_prefix=tasks.reply_prefix(tok))
+                               reply_prefix=reply_prefix(tok))
 
 
 def run(config, out_dir=None) -> common.Report:
@@ -384,10 +402,10 @@ def run(config, out_dir=None) -> common.Report:
     ridge_cfg = RidgeConfig(selection=config.ridge_selection,
                             ranks=tuple(config.get("ridge_ranks", ())))
     # n_contexts=0 (either kind) leaves that task out, e.g. a retrieval-only run
-    cont = (tasks.continuation_tasks(heldout, **config.continuation.to_dict())
+    cont = (continuation_tasks(heldout, **config.continuation.to_dict())
             if config.continuation.n_contexts else [])
     r = config.retrieval
-    retr = [tasks.retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
+    retr = [retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
                                  seed=config.seed + i) for i in range(r.n_contexts)]
     quantizers = calibrate_quantizers(model, tok, config)
     text = probe_text(tok, config) if probe_cfg.n_text or chat_probe_cfg.n_text else None
@@ -404,7 +422,8 @@ def run(config, out_dir=None) -> common.Report:
     rows = aggregate(records)
     flops = None
     if config.check_flops:
-        probed = probe_context(model, _calibration((cont or retr)[0].context), probe_cfg,
+        probed = probe_context(model, CalibrationData.from_context((cont or retr)[0].context),
+                               probe_cfg,
                                text)
         flops = flops_check(model, config.compressions[0], min(config.budgets), probed,
                             patch_kwargs(config, "eviction")["ffn"])

@@ -37,11 +37,11 @@ CELLS = [
         "(`streaming_llm`, `h2o`, `snapkv`, `random`, `knorm`). Later chunks append."),
     new_code_cell(
         "from research.kv.base import state_nbytes\n"
-        "from research.eviction.press import evict, kept_tokens, trim_states\n"
-        "from research.patchkv import session\n"
+        "from research.eviction import evict, kept_tokens, trim_states\n"
+        "from research.patchkv import prefill_context\n"
         "compressed = evict('snapkv', 0.1).apply(model, ())\n"
         "max_len = len(context) + 64\n"
-        "ctx = session.prefill_context(compressed, context, max_len)\n"
+        "ctx = prefill_context(compressed, context, max_len)\n"
         "print(compressed.caches[0].describe(), 'kept per layer:',\n"
         "      int(kept_tokens(ctx.states[0])[0]), 'of', len(context))\n"
         "print('context KV bytes, trimmed to the kept slots:',\n"
@@ -57,21 +57,22 @@ CELLS = [
         "KL(full-cache model || patched model) on the held-out rows, 0 included: the "
         "per-layer fits see activations, this check sees next-token distributions."),
     new_code_cell(
-        "from research.patchkv import patch\n"
-        "from research.patchkv.probes import ProbeConfig\n"
+        "from research.patchkv import (ProbeConfig, attention_error, decode_flops,\n"
+        "                              param_shapes, patch_nbytes, patchkv, reference_model,\n"
+        "                              score_continuations, summarize)\n"
         "from research.transforms import CalibrationData, calibrate_and_apply, chain\n"
-        "t = chain(evict('snapkv', 0.1), patch.patchkv(\n"
+        "t = chain(evict('snapkv', 0.1), patchkv(\n"
         "    probes=ProbeConfig(n_generated=0, n_text=8, length=32), probe_text=calib_ids,\n"
         "    ffn=True, strengths=(0.5, 1.0, 1.5)))\n"
-        "calib = CalibrationData(jnp.asarray(context[None]), jnp.asarray([len(context)]))\n"
+        "calib = CalibrationData.from_context(context)\n"
         "patched, (_, pstate) = calibrate_and_apply(t, model, calib)\n"
         "print(t.name)\n"
         "print({k: round(v, 3) if isinstance(v, float) else v\n"
-        "       for k, v in patch.summarize(pstate).items()})"),
+        "       for k, v in summarize(pstate).items()})"),
     new_markdown_cell(
         "On a quantised cache the same transform chains after the quantizer: "
-        "`chain(frozen_tasq, patch.patchkv(...))`. Optionally `query_scales="
-        "patch.DEV_QUERY_SCALES` first lets one W_q scale per query head (a logit "
+        "`chain(frozen_tasq, patchkv(...))`. Optionally `query_scales="
+        "DEV_QUERY_SCALES` first lets one W_q scale per query head (a logit "
         "temperature, folded into the weight) compete on the same held-out KL: a 1-bit key "
         "codebook flattens attention, which no map of the attention output can sharpen "
         "back (the experiment leaves it off: the text rows and the W_down patch did better "
@@ -80,24 +81,22 @@ CELLS = [
         "## Many queries over one compressed context\nThe compressed cache was built by the "
         "unpatched model; every query is served by the patched one over that cache."),
     new_code_cell(
-        "ref = patch.reference_model(model)\n"
-        "full = session.score_continuations(ref, session.prefill_context(ref, context, "
-        "max_len),\n"
-        "                                   continuations, attention=True)\n"
+        "ref = reference_model(model)\n"
+        "full = score_continuations(ref, prefill_context(ref, context, max_len),\n"
+        "                           continuations, attention=True)\n"
         "for name, m in [('no patch', compressed), ('PatchKV', patched)]:\n"
-        "    s = session.score_continuations(m, ctx, continuations, attention=True)\n"
+        "    s = score_continuations(m, ctx, continuations, attention=True)\n"
         "    print(f'{name:9s} ppl {np.exp(s.nll):7.2f}  attention error '\n"
-        "          f'{session.attention_error(s.attn_contrib, full.attn_contrib):.3f}')\n"
+        "          f'{attention_error(s.attn_contrib, full.attn_contrib):.3f}')\n"
         "print(f'full cache ppl {np.exp(full.nll):7.2f}')"),
     new_markdown_cell("## Zero per-query overhead: same parameter shapes, same decode FLOPs"),
     new_code_cell(
-        "print('same shapes:',\n"
-        "      session.param_shapes(patched) == session.param_shapes(compressed))\n"
+        "print('same shapes:', param_shapes(patched) == param_shapes(compressed))\n"
         "# XLA cost analysis of the compiled decode step over this context's cache\n"
-        "flops = [session.decode_flops(m, ctx.states, [len(context)])\n"
+        "flops = [decode_flops(m, ctx.states, [len(context)])\n"
         "         for m in (compressed, patched)]\n"
         "print('decode-step FLOPs (unpatched, patched):', flops)\n"
-        "print('patch memory (MB, dense f32):', patch.patch_nbytes(pstate) / 2**20)"),
+        "print('patch memory (MB, dense f32):', patch_nbytes(pstate) / 2**20)"),
     new_markdown_cell(
         "## The experiment's table and plot, at notebook scale\n"
         "`experiments.patchkv.experiment.run` is what `python -m experiments.run` calls. "
@@ -115,7 +114,7 @@ CELLS = [
         "from experiments.patchkv import experiment\n"
         "from experiments.patchkv.patchkv import get_config\n"
         "cfg = get_config('small')\n"
-        "cfg.budgets, cfg.methods = (0.1, 0.25, 0.5), ('none', 'patchkv', 'grkv', 'am')\n"
+        "cfg.budgets, cfg.methods = (0.1, 0.25, 0.5), ((), ('patchkv',), ('grkv',), ('am',))\n"
         "cfg.quantizers, cfg.ablations, cfg.check_flops = (), (), False  # FLOPs: above\n"
         "cfg.continuation.update(n_contexts=1, context_len=256, n_continuations=4,\n"
         "                        continuation_len=32)\n"

@@ -4,7 +4,8 @@ GRKV-style ridge merge, Attention-Matching-style value fit}, one context, many q
 Command:   python -m experiments.run --config=experiments/patchkv/patchkv.py:small
 Hardware:  small = CPU (2 continuation contexts of 512 tokens with 8 continuations, 2
            retrieval contexts with 4 facts each; SnapKV and StreamingLLM at 10% / 25%):
-           ~106 min on 2 CPU cores with --config.methods='("none","patchkv","grkv","am")'
+           ~106 min on 2 CPU cores with
+           --config.methods='((),("patchkv",),("grkv",),("am",))'
            --config.ablations='("no_ffn",)' (the README's run); the two compositions and
            four ablations as configured add ~2.5 min of CPU per patch fit (~3 h more);
            full = all five presses at 10/25/50%, 4 + 4 contexts of 1024 tokens (hours on
@@ -29,13 +30,17 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.run_name = f"patchkv_{arg}"
     c.seed = 0
     c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
-    # Compressions: eviction policy names (research.eviction.policies.POLICIES); other
-    # cache transforms can be registered in experiment.COMPRESSIONS (baselines: n/a).
+    # Compressions: eviction policy names (research.eviction.POLICIES), each an
+    # evict(name, budget) press; quantizers below.
     c.compressions = (("snapkv", "streaming_llm") if small else
                       ("snapkv", "streaming_llm", "h2o", "random", "knorm"))
     c.budgets = (0.1, 0.25) if small else (0.1, 0.25, 0.5)
-    # "<baseline>+patchkv": the baseline's refit cache with a PatchKV patch fit over it
-    c.methods = ("none", "patchkv", "grkv", "am", "grkv+patchkv", "am+patchkv")
+    # Methods: per-context steps chained after each press (experiment.STEPS), so a method
+    # is chain(press, *steps): () the press alone ("none"), ("patchkv",), the GRKV / AM
+    # value refits, and ("grkv", "patchkv"): the refit cache with a PatchKV patch fit
+    # over it. Rows are named by the steps joined with "+".
+    c.methods = ((), ("patchkv",), ("grkv",), ("am",), ("grkv", "patchkv"),
+                 ("am", "patchkv"))
     # TaSQ caches (bits per channel), calibrated once on the calibration split, then
     # chain(tasq, patchkv) per context (value-refit baselines need eviction: not run).
     c.quantizers = (1,)
@@ -51,7 +56,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         context_len=512 if small else 1024, max_new_tokens=6,
         # ProbeConfig overrides for these chat contexts (research.patchkv.probes): 64
         # context repeats in place of the text rows. Chosen on dev retrieval contexts
-        # (seeds 1000+; `python -m experiments.patchkv.dev_retrieval`): with the W_down
+        # (seeds 1000+; `python -m experiments.patchkv.dev.retrieval`): with the W_down
         # patch, rows that re-read the fact paragraphs store the evicted codes (answer
         # log-prob -8.5 -> -3.1 at SnapKV 10%), while 128 text rows, alone or with 32
         # repeats mixed in, dilute them and change no answer; sampled replies changed none
@@ -59,7 +64,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         probes={"n_text": 0, "n_repeat": 64}))
     # Probe mix, ridge selection, fit target and strength grid were chosen on a dev split
     # (2 continuation contexts at held-out tokens 4096 and 8333, disjoint from the test
-    # contexts; `python -m experiments.patchkv.dev_sweep`), gap closed on dev (SnapKV
+    # contexts; `python -m experiments.patchkv.dev.sweep`), gap closed on dev (SnapKV
     # 10/25%, StreamingLLM 10/25%, TaSQ 1-bit):
     #   16 generated + 16 context repeats (first default): 33 / 2 / 50 / 69 / -10%
     #   32 generated, no repeats, holdout:                 82 / 101 / 73 / 79 / -39%

@@ -18,9 +18,9 @@ from experiments.specdecode import prompts as P
 from research.model import load
 from research.serving.generate import PAD_BUCKET, default_stop_tokens, generate, round_up
 from research.serving.sampling import SamplingConfig
-from research.specdecode import (DraftLengthPolicy, early_exit, measure_step_costs,
-                                 model_drafter, prompt_lookup, speculative_generate)
-from research.specdecode.distribution import chisquare_pvalue, exact_sequence_law
+from research.specdecode import (DraftLengthPolicy, chisquare_pvalue, early_exit,
+                                 exact_sequence_law, measure_step_costs, model_drafter,
+                                 prompt_lookup, speculative_generate)
 
 
 def _ids(tok, prompt):

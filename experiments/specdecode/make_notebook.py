@@ -86,7 +86,7 @@ CELLS = [
         "(chi-square)."),
     new_code_cell(
         "from research.model import init_params, make_model, tiny_config\n"
-        "from research.specdecode.distribution import chisquare_pvalue, exact_sequence_law\n"
+        "from research.specdecode import chisquare_pvalue, exact_sequence_law\n"
         "cfg = tiny_config(vocab_size=6)\n"
         "params = jax.tree.map(lambda x: 1.5 * x if x.ndim >= 2 else x,\n"
         "                      init_params(cfg, jax.random.key(0)))\n"

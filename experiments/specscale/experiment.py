@@ -7,13 +7,13 @@ import numpy as np
 from experiments import common
 from research import data
 from research.model import load
+from research.model.precision import kv_cache_dtype
 from research.tasq import TaSQConfig, tasq
-from research.transforms import CalibrationData, calibrate_and_apply, kv_cache_dtype
-from research.specscale import search as S
-from research.specscale.engine import PagedEngine
-from research.specscale.metrics import paired_bootstrap_diff, wilson_interval
-from research.specscale.verifier import step_auroc
-from research.specscale.tasks import ArithmeticChains
+from research.transforms import CalibrationData, calibrate_and_apply
+from research.specscale import (ArithmeticChains, PagedEngine, SearchConfig, SearchContext,
+                                SearchResult, beam_search, best_of_n, merge_results,
+                                paired_bootstrap_diff, run_search, single_sample, specscale,
+                                step_auroc, wilson_interval)
 
 COLUMNS = ["method", "accuracy", "acc_95ci", "problems/s", "wall_s", "compile_s",
            "generated_tokens", "tokens_computed", "forward_calls", "verifier_judgements",
@@ -27,13 +27,13 @@ def make_task(config) -> ArithmeticChains:
                             verifier_shots=t.verifier_shots)
 
 
-def methods(config) -> list[S.SearchConfig]:
+def methods(config) -> list[SearchConfig]:
     lim = dict(config.limits)
     w, e = config.beam.beam_width, config.beam.expand
     spec = dict(config.specscale)
-    out = [S.single_sample(greedy=True, **lim), S.single_sample(**lim),
-           S.best_of_n(config.best_of_n, **lim), S.beam_search(w, e, **lim),
-           S.specscale(w, e, **spec, **lim)]
+    out = [single_sample(greedy=True, **lim), single_sample(**lim),
+           best_of_n(config.best_of_n, **lim), beam_search(w, e, **lim),
+           specscale(w, e, **spec, **lim)]
     flips = {"+defer": dict(defer=2, reject_below=-1.5), "-defer": dict(defer=1),
              "+reject": dict(reject_below=-1.5), "-reject": dict(reject_below=None),
              "-prune": dict(prune_margin=None, prune_token_logp=None),
@@ -41,12 +41,12 @@ def methods(config) -> list[S.SearchConfig]:
     for name in config.ablations:
         if name not in flips:
             raise ValueError(f"unknown ablation {name!r}; expected one of {sorted(flips)}")
-        out.append(S.specscale(w, e, **{**spec, **flips[name]}, **lim,
+        out.append(specscale(w, e, **{**spec, **flips[name]}, **lim,
                                name=f"specscale {w}x{e} {name}"))
     return out
 
 
-def result_row(res: S.SearchResult, block_bytes: int) -> dict:
+def result_row(res: SearchResult, block_bytes: int) -> dict:
     n = len(res.problems)
     k = sum(p.correct for p in res.problems)
     lo, hi = wilson_interval(k, n)
@@ -75,14 +75,14 @@ def run(config, out_dir=None) -> common.Report:
     e = config.engine
     engine = PagedEngine(model, n_blocks=e.n_blocks, block_size=e.block_size,
                          max_len=e.max_len, temperature=e.temperature)
-    ctx = S.SearchContext(engine, tok, task)
+    ctx = SearchContext(engine, tok, task)
     results = run_interleaved(ctx, problems, methods(config), config)
     rows = [result_row(r, engine.block_bytes) for r in results.values()]
     ctx.close()
     del ctx, engine
 
-    beam = results[S.beam_search(config.beam.beam_width, config.beam.expand).label]
-    spec = results[S.specscale(config.beam.beam_width, config.beam.expand).label]
+    beam = results[beam_search(config.beam.beam_width, config.beam.expand).label]
+    spec = results[specscale(config.beam.beam_width, config.beam.expand).label]
     memory = memory_runs(model, tok, task, problems[:config.memory_problems], config,
                          beam.config, spec.config)
     codec_rows = codec_memory_runs(model, tok, task, problems[:config.memory_problems],
@@ -104,7 +104,7 @@ def run(config, out_dir=None) -> common.Report:
                "jax_backend": jax.default_backend()})
 
 
-def run_interleaved(ctx, problems, cfgs, config) -> dict[str, S.SearchResult]:
+def run_interleaved(ctx, problems, cfgs, config) -> dict[str, SearchResult]:
     """Methods take turns group by group, so machine-load drift hits all of them alike."""
     from tqdm.auto import tqdm
     g = config.group_size
@@ -112,15 +112,15 @@ def run_interleaved(ctx, problems, cfgs, config) -> dict[str, S.SearchResult]:
     if config.get("warmup_pass", False):  # compile every batch shape; results discarded
         for group in tqdm(groups, desc="warm-up pass"):
             for cfg in cfgs:
-                S.run_search(ctx, group, cfg, seed=config.seed, group_size=g)
+                run_search(ctx, group, cfg, seed=config.seed, group_size=g)
     parts: dict[str, list] = {c.label: [] for c in cfgs}
     with tqdm(total=len(groups) * len(cfgs), desc="groups x methods") as bar:
         for group in groups:
             for cfg in cfgs:
-                parts[cfg.label].append(S.run_search(ctx, group, cfg, seed=config.seed,
+                parts[cfg.label].append(run_search(ctx, group, cfg, seed=config.seed,
                                                      group_size=g))
                 bar.update()
-    return {label: S.merge_results(p) for label, p in parts.items()}
+    return {label: merge_results(p) for label, p in parts.items()}
 
 
 def memory_runs(model, tok, task, group, config, beam_cfg, spec_cfg) -> list[dict]:
@@ -131,8 +131,8 @@ def memory_runs(model, tok, task, group, config, beam_cfg, spec_cfg) -> list[dic
                                  (beam_cfg, False, config.no_sharing_n_blocks)):
         engine = PagedEngine(model, n_blocks=n_blocks, block_size=e.block_size,
                              max_len=e.max_len, temperature=e.temperature, share_prefix=share)
-        ctx = S.SearchContext(engine, tok, task)
-        res = S.run_search(ctx, group, cfg, seed=config.seed, group_size=len(group),
+        ctx = SearchContext(engine, tok, task)
+        res = run_search(ctx, group, cfg, seed=config.seed, group_size=len(group),
                            progress=True)
         rows.append({"method": cfg.label + ("" if share else " (no sharing)"),
                      "problems": len(group), "peak_kv_blocks": res.stats["peak_kv_blocks"],
@@ -168,8 +168,8 @@ def codec_memory_runs(model, tok, task, group, config, spec_cfg) -> list[dict]:
         engine = PagedEngine(codec_model(model, tok, name, config), n_blocks=e.n_blocks,
                              block_size=e.block_size, max_len=e.max_len,
                              temperature=e.temperature)
-        ctx = S.SearchContext(engine, tok, task)
-        res = S.run_search(ctx, group, spec_cfg, seed=config.seed, group_size=len(group),
+        ctx = SearchContext(engine, tok, task)
+        res = run_search(ctx, group, spec_cfg, seed=config.seed, group_size=len(group),
                            progress=True)
         rows.append({"kv_codec": name, "cache": engine.model.caches[0].describe(),
                      "problems": len(group), "accuracy": res.accuracy,
@@ -194,7 +194,7 @@ def codec_note(rows: list[dict]) -> str:
 
 def make_claims(config, results, beam, spec, memory, auroc, n_steps):
     acc = {k: r.accuracy for k, r in results.items()}
-    single = results[S.single_sample().label]
+    single = results[single_sample().label]
     best_search = max((k for k in acc if k not in ("greedy", "single sample")),
                       key=lambda k: acc[k])
     speedup = spec.stats["problems_per_s"] / beam.stats["problems_per_s"]

@@ -39,7 +39,7 @@ CELLS = [
     new_code_cell(
         "import jax\n"
         "from research.model import load\n"
-        "from research.specscale.tasks import ArithmeticChains\n"
+        "from research.specscale import ArithmeticChains\n"
         "model, tokenizer = load()\n"
         "task = ArithmeticChains()          # 2 steps, single digits\n"
         "problems = task.problems(2, seed=0)\n"

@@ -15,16 +15,15 @@ from kernels_pallas.vq_attention import vq_decode_attention_reference
 from research import data
 from research.eval.perplexity import perplexity
 from research.kv import memory
-from research.tasq.cq import CQCodec
 from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.model import load
 from research.core.attention import attend
-from research.tasq import TaSQConfig, plain_vq, tasq
-from research.tasq.baselines import cq_style, int8_kv, kivi_kv, sign_kv
-from research.tasq.metrics import (attention_output_error, bits_per_channel,
-                                   cache_param_bytes, max_batch_with_codebooks)
-from research.transforms import CalibrationData, calibrate_and_apply, chain, kv_cache_dtype
+from research.tasq import (CQCodec, TaSQConfig, attention_output_error, bits_per_channel,
+                           cache_param_bytes, cq_style, int8_kv, kivi_kv,
+                           max_batch_with_codebooks, plain_vq, sign_kv, tasq)
+from research.model.precision import kv_cache_dtype
+from research.transforms import CalibrationData, calibrate_and_apply, chain
 
 BF16 = "bf16"
 TASQ = "TaSQ (1 bit)"

@@ -50,9 +50,9 @@ CELLS = [
     new_markdown_cell("## Memory: bytes of the real cache arrays"),
     new_code_cell(
         "from research.kv import memory\n"
-        "from research.tasq.metrics import bits_per_channel, cache_param_bytes, "
+        "from research.tasq import bits_per_channel, cache_param_bytes, "
         "max_batch_with_codebooks\n"
-        "from research.transforms import kv_cache_dtype\n"
+        "from research.model.precision import kv_cache_dtype\n"
         "bf16_model, _ = calibrate_and_apply(kv_cache_dtype('bfloat16'), model, None)\n"
         "budget, ctx = 16 * memory.GiB, 4096\n"
         "for name, m in [('bf16', bf16_model), ('TaSQ 1-bit', tasq_model)]:\n"
@@ -65,7 +65,7 @@ CELLS = [
                       "channel; see the experiment's table for 2 bits and the baselines."),
     new_code_cell(
         "from research.eval.perplexity import perplexity\n"
-        "from research.tasq.metrics import attention_output_error\n"
+        "from research.tasq import attention_output_error\n"
         "held = tokenizer.encode(data.corpus_text('heldout'))\n"
         "for name, m in [('f32', model), ('TaSQ 1-bit', tasq_model)]:\n"
         "    p = perplexity(m, held, window=128, stride=64, max_windows=2, batch_size=2)\n"
@@ -96,7 +96,7 @@ CELLS = [
         "print('max |pallas - reference|:', float(jnp.abs(ker - ref).max()))"),
     new_markdown_cell("## Save and restore the calibration (orbax), bound to its model"),
     new_code_cell(
-        "from research.tasq.artifacts import save_state, restore_state\n"
+        "from research.tasq import save_state, restore_state\n"
         "from research.model import init_params, make_model\n"
         "path = save_state(tempfile.mkdtemp() + '/tasq_smollm2', state)\n"
         "restored = restore_state(path, model)\n"

@@ -37,7 +37,7 @@ from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.eviction.policies import ScoreInputs, make_policy
 from research.kv.window import WindowKVCache
-from research.core.transform import Transform
+from research.transforms import Transform
 
 
 def _is_concrete_number(x) -> bool:

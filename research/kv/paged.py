@@ -34,7 +34,7 @@ from jaxtyping import Array, Int
 
 from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.paged_attention.api import BACKENDS, paged_decode_attention
-from research.core.transform import Transform
+from research.transforms import Transform
 from research.kv.base import KVCache, check_codec, poison_rows
 from research.kv.codec import FloatCodec, KVCodec, KVView
 from research.kv.dense import DenseKVCache

@@ -7,7 +7,7 @@ from jax.sharding import Mesh
 from kernels_pallas.grouped_matmul import GroupedMatmul
 from research.megaflux.layer import EPConfig, ExpertParallelFFN
 from research.megaflux.planner import check_layout
-from research.transforms import Transform
+from research.transforms import Transform, stateless
 
 
 def megaflux(mesh: Mesh, replica_slots: int = 2, *, min_replica_tokens: int = 1,
@@ -32,4 +32,4 @@ def megaflux(mesh: Mesh, replica_slots: int = 2, *, min_replica_tokens: int = 1,
             ffn=ExpertParallelFFN(mesh, cfg)))
         return model.replace(config=config, tags=model.tags + (f"megaflux(S={replica_slots})",))
 
-    return Transform(lambda model, data: (), apply, f"megaflux(slots={replica_slots})")
+    return stateless(apply, f"megaflux(slots={replica_slots})")

@@ -15,8 +15,11 @@ query's own new tokens, reproduces the reference attention output:
   keys carry the full context's attention mass (sum_j w_j exp(q.k_j) ~ sum_i exp(q.k_i)),
   then the kept values by (nearly unregularised) least squares under the new weights.
 
-The result is new cache states (values, and biases for "am"), not a new model: the
-context's memory is unchanged and the weights are untouched.
+The result is new cache states (values, and biases for "am"); the weights are untouched
+and the context's memory is unchanged. As transforms (`grkv()`, `am()`: per-context, like
+`patchkv()`; research/transforms.py) they return a model whose evicting caches are wrapped
+in a `RefitKVCache`: prefilling *that* context stores the refit values, so
+`chain(evict(...), grkv(), patchkv())` fits the patch over the refit cache.
 """
 from __future__ import annotations
 
@@ -24,12 +27,17 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+from jaxtyping import Array, Float
 from scipy.optimize import nnls
 
-from research.eviction.press import is_evicting
+from research.eviction.press import EvictingKVCache, is_evicting
+from research.kv.base import KVCache
 from research.model.llama import Model
 from research.patchkv import ridge
-from research.patchkv.probes import ProbedContext
+from research.patchkv.probes import ProbeConfig, ProbedContext, as_probed
+from research.patchkv.session import prefill_batch
+from research.transforms import Transform
 
 METHODS = ("grkv", "am")
 AM_RIDGE = ridge.RidgeConfig(selection="fixed", alpha=1e-6, allow_zero=False)
@@ -130,3 +138,88 @@ def _mass_bias(s_kept, s_full):
     w, _ = nnls(e, z, maxiter=50 * e.shape[1])
     return np.log(np.maximum(w, BIAS_FLOOR))
 
+
+
+@struct.dataclass
+class RefitKVCache(KVCache):
+    """An evicting cache that stores one context's refit values (and logit biases) when it
+    prefills that context: the per-context cache of a GRKV / AM refit.
+
+    Eviction picks the same slots for the same context, so the refit arrays (made from a
+    prefill of it) land on the slots they were fit for. Only a context chunk (start 0,
+    more than one token, a batch of as many rows as the refit contexts) is rewritten;
+    queries and decode steps append as `inner` does. It serves the context(s) it was fit
+    on, like a PatchKV patch.
+    """
+
+    inner: EvictingKVCache
+    v: Float[Array, "B S Hkv D"]  # the context's values, kept slots refit
+    bias: Float[Array, "B S Hkv"]  # the kept slots' logit biases (0 for "grkv")
+
+    def init(self, batch, max_len, n_kv_heads, head_dim):
+        return self.inner.init(batch, max_len, n_kv_heads, head_dim)
+
+    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
+        out, new = self.inner.update_and_attend(state, q, k, v, start=start, n_new=n_new,
+                                                window=window)
+        if q.shape[1] == 1 or new["v"].shape[0] != self.v.shape[0]:
+            # a decode step, or a batch of query rows over tiled context caches (as the
+            # patch fits run them): no row is a prefill of the refit context(s)
+            return out, new
+        m = min(new["v"].shape[1], self.v.shape[1])
+        is_context = (start == 0)[:, None, None]
+        refit_v = jnp.where(is_context[..., None], self.v[:, :m].astype(new["v"].dtype),
+                            new["v"][:, :m])
+        refit_bias = jnp.where(is_context, self.bias[:, :m], new["bias"][:, :m])
+        return out, {**new, "v": new["v"].at[:, :m].set(refit_v),
+                     "bias": new["bias"].at[:, :m].set(refit_bias)}
+
+    def capacity(self, max_len):
+        return self.inner.capacity(max_len)
+
+    def describe(self):
+        return f"refit[{self.inner.describe()}]"
+
+
+def value_refit(method: str, *, probes: ProbeConfig = ProbeConfig(),
+                ridge_config: ridge.RidgeConfig = ridge.RidgeConfig(),
+                probe_text=None) -> Transform:
+    """Transform (per context): refit the kept values (and AM biases) of the incoming
+    model's evicting caches for the context it calibrates on (a CalibrationData of it, or
+    a ProbedContext built with `probes`); the model it returns prefills that context into
+    the refit cache. method: "grkv" or "am" (module docstring)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(probes, ProbeConfig):
+        raise TypeError(f"probes must be a ProbeConfig, got {type(probes).__name__}")
+
+    def calibrate(model, data):
+        probed = as_probed(model, data, probes, probe_text)
+        _, states = prefill_batch(model, probed.tokens, probed.lengths, probed.max_len)
+        new = refit_values(model, states, probed, method=method, ridge_config=ridge_config)
+        return tuple((s["v"], s["bias"]) for s in new)
+
+    def apply(model, state):
+        if len(state) != len(model.caches):
+            raise ValueError(f"{method} state has {len(state)} layers, the model "
+                             f"{len(model.caches)}")
+        caches = []
+        for i, (cache, (v, bias)) in enumerate(zip(model.caches, state)):
+            if not isinstance(cache, EvictingKVCache):
+                raise TypeError(f"{method}: layer {i} has a {cache.describe()} cache; value "
+                                "refits need an evicting cache (chain evict(...) first)")
+            caches.append(RefitKVCache(inner=cache, v=v, bias=bias))
+        return model.replace(caches=tuple(caches), tags=model.tags + (method,))
+
+    return Transform(calibrate, apply, method)
+
+
+def grkv(**kwargs) -> Transform:
+    """GRKV-style ridge merge as a per-context transform (`value_refit("grkv", ...)`)."""
+    return value_refit("grkv", **kwargs)
+
+
+def am(**kwargs) -> Transform:
+    """Attention-Matching-style compaction as a per-context transform
+    (`value_refit("am", ...)`)."""
+    return value_refit("am", **kwargs)

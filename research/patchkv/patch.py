@@ -60,8 +60,8 @@ import numpy as np
 
 from research.model.llama import Model, unembed
 from research.patchkv import layerwise, ridge, session
-from research.patchkv.probes import (ProbeConfig, ProbedContext, probe_context,  # noqa: F401
-                                     reference_model)
+from research.patchkv.probes import (ProbeConfig, ProbedContext, as_probed,  # noqa: F401
+                                     probe_context, reference_model)
 from research.patchkv.session import prefill_batch, tile_states
 from research.transforms import Transform
 
@@ -390,13 +390,15 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
             target: str = "attention", layers: Sequence[int] | None = None,
             strengths: Sequence[float] = (), query_scales: Sequence[float] = (),
             ffn: bool = False, probe_text=None) -> Transform:
-    """Transform: calibrate on the context (CalibrationData), return the patched model.
+    """Transform: calibrate on the context (its CalibrationData, or a ProbedContext built
+    with `probes`, shared by several methods), return the patched model.
 
     strengths, query_scales, ffn: see `fit_patches`; the experiments use DEV_STRENGTHS
     (chosen on a dev split), which also lets the held-out probes switch a harmful patch
     off, and ffn=True with text probe rows (DEV_QUERY_SCALES is an option for quantised
     caches; the dev split preferred the W_down patch).
-    probe_text: 1-D token ids the probes' text rows come from (`probes.n_text > 0`).
+    probe_text: 1-D token ids the probes' text rows come from (`probes.n_text > 0`; used
+      when the data is a CalibrationData).
 
     Prefill the context with the model *before* this transform (it builds the compressed
     cache); serve queries with the patched model (see the module docstring).
@@ -407,7 +409,7 @@ def patchkv(*, probes: ProbeConfig = ProbeConfig(),
         raise TypeError(f"probes must be a ProbeConfig, got {type(probes).__name__}")
 
     def calibrate(model, data):
-        return fit_patches(model, probe_context(model, data, probes, probe_text),
+        return fit_patches(model, as_probed(model, data, probes, probe_text),
                            ridge_config=ridge_config, sequential=sequential, target=target,
                            layers=layers, strengths=strengths, query_scales=query_scales,
                            ffn=ffn)

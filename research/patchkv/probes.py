@@ -193,7 +193,11 @@ class ReferencePass(NamedTuple):
 
 class ProbedContext(NamedTuple):
     """Everything about a context that does not depend on how its cache is compressed:
-    fit it once, then fit patches (or baselines) for any number of compressions."""
+    fit it once, then fit patches (or baselines) for any number of compressions.
+
+    It is also calibration data: every PatchKV-family transform (`patchkv`, `grkv`, `am`)
+    calibrates on it as on the context's CalibrationData, without rebuilding the probes
+    (research/transforms.py, per-context transforms)."""
 
     tokens: np.ndarray  # [B, T] contexts, right-padded
     lengths: np.ndarray  # [B]
@@ -202,6 +206,7 @@ class ProbedContext(NamedTuple):
     reference: ReferencePass
     max_len: int  # cache slots the context + one probe row need
     seconds: float  # wall time of reference prefill + probes + reference pass
+    config: ProbeConfig | None = None  # how the probes were built
 
 
 def reference_pass(reference: Model, ref_states: tuple, probes: ProbeSet,
@@ -245,7 +250,20 @@ def probe_context(model: Model, contexts: CalibrationData,
     ref_pass = reference_pass(ref, ref_states, probes, lengths)
     jax.block_until_ready(ref_pass)
     return ProbedContext(tokens, lengths, probes, ref_states, ref_pass, max_len,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, config)
+
+
+def as_probed(model: Model, data, config: ProbeConfig,
+              text: np.ndarray | None = None) -> ProbedContext:
+    """A per-context transform's calibration data as a ProbedContext: a ProbedContext as
+    it is (it must have been built with `config`), a CalibrationData of the context probed
+    here (`probe_context(model, data, config, text)`)."""
+    if isinstance(data, ProbedContext):
+        if data.config is not None and data.config != config:
+            raise ValueError(f"the ProbedContext was built with {data.config}, the "
+                             f"transform asks for probes={config}")
+        return data
+    return probe_context(model, data, config, text)
 
 
 def _check_text(text, config: ProbeConfig, vocab_size: int) -> np.ndarray | None:

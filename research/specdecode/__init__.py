@@ -11,6 +11,7 @@ Adaptive draft length (`policy.py`) from the running acceptance rate and measure
 (`costs.py`).
 """
 from research.specdecode.costs import measure_step_costs
+from research.specdecode.distribution import chisquare_pvalue, exact_sequence_law
 from research.specdecode.drafters import (Draft, DraftContext, Drafter, early_exit,
                                           model_drafter, prompt_lookup, self_speculative)
 from research.specdecode.generate import SpecGeneration, SpecStats, speculative_generate
@@ -23,4 +24,4 @@ __all__ = ["measure_step_costs", "Draft", "DraftContext", "Drafter", "early_exit
            "model_drafter", "prompt_lookup", "self_speculative", "SpecGeneration",
            "SpecStats", "speculative_generate", "layer_subset_model", "DraftLengthPolicy",
            "check_rollback", "with_rollback_slack", "Verdict", "residual_distribution",
-           "verify_drafts"]
+           "verify_drafts", "chisquare_pvalue", "exact_sequence_law"]

@@ -28,12 +28,11 @@ from research.tasq.config import CODE_BITS
 from research.tasq.fingerprint import check_fingerprint, model_fingerprint
 from research.tasq.kmeans import kmeans
 from research.tasq.stats import collect
-from research.transforms import CalibrationData, Transform
+from research.transforms import CalibrationData, Transform, stateless
 
 
 def int8_kv() -> Transform:
-    return Transform(lambda model, data: (),
-                     lambda model, state: replace_codecs(model, lambda i: Int8Codec(),
+    return stateless(lambda model, state: replace_codecs(model, lambda i: Int8Codec(),
                                                          "int8_kv", "kv-int8"), "int8")
 
 
@@ -52,7 +51,7 @@ def kivi_kv(bits: int = 2, key_group: int = 32, value_group: int = 32,
         return model.replace(caches=(cache,) * len(model.caches),
                              tags=model.tags + (f"kivi{bits}",))
 
-    return Transform(lambda model, data: (), apply, f"kivi({bits}b)")
+    return stateless(apply, f"kivi({bits}b)")
 
 
 def sign_kv(seed: int = 0) -> Transform:
@@ -62,7 +61,7 @@ def sign_kv(seed: int = 0) -> Transform:
         return replace_codecs(model, lambda i: SignCodec(
             gaussian_projection(keys[i], c.n_kv_heads, c.head_dim)), "sign_kv", "sign")
 
-    return Transform(lambda model, data: (), apply, "sign(1b)")
+    return stateless(apply, "sign(1b)")
 
 
 @struct.dataclass

@@ -16,7 +16,8 @@ from research.kv.window import WindowKVCache
 from research.model import forward, init_params, make_model, tiny_config
 from research.core.attention import attend
 from research.serving.generate import generate
-from research.transforms import calibrate_and_apply, chain, kv_cache_dtype
+from research.model.precision import kv_cache_dtype
+from research.transforms import calibrate_and_apply, chain
 
 forward = jax.jit(forward, static_argnames=("logits", "capture"))  # one compile per shape
 POLICIES = ["streaming_llm", "h2o", "snapkv", "random", "knorm"]

@@ -205,7 +205,8 @@ def test_no_transform_silently_discards_another_transforms_cache(tiny):
     naming both the transform and what it would discard."""
     from research.eviction import evict
     from research.tasq.baselines import int8_kv, kivi_kv
-    from research.transforms import calibrate_and_apply, kv_cache_dtype
+    from research.model.precision import kv_cache_dtype
+    from research.transforms import calibrate_and_apply
 
     def apply(t, model):
         return calibrate_and_apply(t, model, None)[0]

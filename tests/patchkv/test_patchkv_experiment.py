@@ -48,7 +48,7 @@ def test_claims_of_a_retrieval_only_run_score_retrieval_only():
 
 def test_dev_contexts_are_disjoint_from_the_small_test_contexts():
     import numpy as np
-    from experiments.patchkv.dev_sweep import overlaps
+    from experiments.patchkv.dev.sweep import overlaps
     from research.patchkv import tasks
     ids = np.arange(12570)  # the held-out split's length in SmolLM2 tokens
     cc = get_config("small").continuation
@@ -87,7 +87,8 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
                        ProbeConfig(n_generated=8, length=12), RidgeConfig(), quantizers,
                        records, bar, index=3)
     methods = [(r["compression"], r["method"]) for r in records]
-    assert methods == [("full", "full")] + [("snapkv", m) for m in config.methods] + [
+    assert methods == [("full", "full")] + [("snapkv", ex.method_name(m))
+                                            for m in config.methods] + [
         ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"), ("snapkv", "patchkv[rank64]"),
         ("snapkv", "patchkv[no_strength]"), ("snapkv", "patchkv[no_ffn]")]
     records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"],
@@ -126,3 +127,18 @@ def test_chat_probes_override_the_probe_mix_and_add_the_templates_reply_prefix()
     cfg = ex.chat_probes(base, config, CharTokenizer())
     assert (cfg.n_generated, cfg.n_reply, cfg.length) == (4, 4, 48)
     assert "".join(map(chr, cfg.reply_prefix)) == "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_methods_are_step_tuples_with_patchkv_last():
+    assert ex.check_method(["grkv", "patchkv"]) == ("grkv", "patchkv")
+    assert ex.method_name(()) == "none" and ex.method_name(("am", "patchkv")) == "am+patchkv"
+    with pytest.raises(TypeError, match="tuple of steps"):
+        ex.check_method("grkv+patchkv")  # a name is not a method
+    with pytest.raises(ValueError, match="unknown steps"):
+        ex.check_method(("kvmerger",))
+    with pytest.raises(ValueError, match="'patchkv' last"):
+        ex.check_method(("patchkv", "grkv"))
+    with pytest.raises(ValueError, match="not an eviction policy"):
+        ex.press_transform("tasq-1bit", 0.1)
+    config = get_config("small")
+    assert all(ex.check_method(m) == m for m in config.methods)

@@ -405,3 +405,44 @@ def test_reply_probes_open_with_the_prefix_and_continue_as_the_reference_would(m
     ref = patch.reference_model(model)
     logits = forward(ref, jnp.asarray(np.concatenate([context, row])[None])).logits[0]
     np.testing.assert_array_equal(np.argmax(logits[N_CTX + 2:-1], axis=-1), row[3:])
+
+
+def test_refit_transforms_prefill_the_refit_cache_and_chain_with_patchkv(model, probed,
+                                                                          queries):
+    """grkv()/am() as per-context transforms: the model they return prefills the context
+    into exactly the refit_values cache, serves queries like the evicting cache, and
+    patchkv() chained after them fits over that cache."""
+    press = evict("snapkv", 0.25)
+    compressed = press.apply(model, ())
+    _, cmp_states = session.prefill_batch(compressed, probed.tokens, probed.lengths,
+                                          probed.max_len)
+    for method, transform in (("grkv", baselines.grkv(probes=PROBES)),
+                              ("am", baselines.am(probes=PROBES))):
+        want = baselines.refit_values(compressed, cmp_states, probed, method=method)
+        refit, (_, state) = calibrate_and_apply(chain(press, transform), model, probed)
+        assert isinstance(refit.caches[0], baselines.RefitKVCache)
+        assert refit.caches[0].describe().startswith("refit[evict[snapkv")
+        _, got = session.prefill_batch(refit, probed.tokens, probed.lengths, probed.max_len)
+        for g, w in zip(got, want):
+            for key in ("k", "v", "pos", "bias", "n"):
+                np.testing.assert_array_equal(np.asarray(g[key]), np.asarray(w[key]))
+        ctx = session.ContextCache(got, N_CTX, None)
+        a = session.score_continuations(refit, ctx, queries)
+        b = session.score_continuations(compressed, ctx, queries)
+        assert a.nll == pytest.approx(b.nll, rel=1e-6)  # queries append as evict does
+    both = chain(press, baselines.grkv(probes=PROBES), patch.patchkv(probes=PROBES))
+    patched, states = calibrate_and_apply(both, model, probed)
+    assert len(states) == 3 and isinstance(states[2], patch.PatchState)
+    assert patched.tags[-1] == "patchkv" and "grkv" in patched.tags
+
+
+def test_refit_transform_bad_input(model, probed):
+    with pytest.raises(ValueError, match="method must be one of"):
+        baselines.value_refit("kvmerger")
+    with pytest.raises(TypeError, match="probes must be a ProbeConfig"):
+        baselines.grkv(probes={"n_generated": 4})
+    with pytest.raises(TypeError, match="need an evicting cache"):
+        baselines.grkv(probes=PROBES).apply(model, tuple((None, None) for _ in model.caches))
+    with pytest.raises(ValueError, match="was built with"):  # the shared probes differ
+        patch.patchkv(probes=dataclasses.replace(PROBES, seed=1)).calibrate(
+            evict("snapkv", 0.25).apply(model, ()), probed)

@@ -2,7 +2,7 @@
 seeds config.seed + i; these use seeds from --seed-offset on, so no setting is chosen on a
 test context).
 
-    python -m experiments.patchkv.dev_retrieval --settings rep32_ffn,rep64_ffn \
+    python -m experiments.patchkv.dev.retrieval --settings rep32_ffn,rep64_ffn \
         [--contexts 3] [--compressions snapkv@0.1,streaming_llm@0.25,tasq-1bit]
 
 Prints one JSON line per (setting, context, compression): the questions answered correctly
@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.patchkv import experiment as ex
-from experiments.patchkv.dev_sweep import SETTINGS, load_small, ridge_config
-from research.patchkv import session, tasks
-from research.patchkv.probes import ProbeConfig, probe_context, reference_model
+from experiments.patchkv.dev.sweep import SETTINGS, load_small, ridge_config
+from research.patchkv import (ProbeConfig, pad_rows, probe_context, query_forward,
+                              reference_model, reply_prefix, retrieval_task, tile_states)
+from research.transforms import CalibrationData
 from research.serving.generate import default_stop_tokens
 
 DEFAULT_COMPRESSIONS = ("snapkv@0.1,snapkv@0.25,streaming_llm@0.1,streaming_llm@0.25,"
@@ -44,9 +45,9 @@ def answer_rows(tok, task) -> list[tuple[np.ndarray, int]]:
 
 def answer_log_probs(variant, length, rows) -> list[float]:
     """Teacher-forced log p(answer tokens | context, question) per question."""
-    tokens, lengths = session.pad_rows([r for r, _ in rows])
-    states = session.tile_states(variant["states"], np.zeros(len(rows), np.int32))
-    logits, _ = session.query_forward(variant["model"], jnp.asarray(tokens),
+    tokens, lengths = pad_rows([r for r, _ in rows])
+    states = tile_states(variant["states"], np.zeros(len(rows), np.int32))
+    logits, _ = query_forward(variant["model"], jnp.asarray(tokens),
                                       jnp.full((len(rows),), length, jnp.int32),
                                       jnp.asarray(lengths), states)
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
@@ -54,15 +55,15 @@ def answer_log_probs(variant, length, rows) -> list[float]:
             for i, (r, n) in enumerate(rows)]
 
 
-def compressed(model, comp, probed, quantizers):
-    """(model, states) of one "<policy>@<ratio>" or quantizer-name compression."""
+def press(comp, quantizers):
+    """The press of one "<policy>@<ratio>" or quantizer-name compression."""
     if "@" in comp:
         name, ratio = comp.split("@")
-        return ex.compressed_states(model, name, float(ratio), probed)
+        return ex.press_transform(name, float(ratio))
     if comp not in quantizers:
         raise ValueError(f"--compressions: {comp!r} is neither <policy>@<ratio> nor one of "
                          f"the config's quantizers {sorted(quantizers)}")
-    return ex.quantized_states(model, quantizers[comp], probed)
+    return quantizers[comp]
 
 
 def main(argv=None):
@@ -75,7 +76,7 @@ def main(argv=None):
     config, model, tok, heldout = load_small()
     r = config.retrieval
     stops = default_stop_tokens(tok)
-    reply_prefix = tasks.reply_prefix(tok)
+    prefix = reply_prefix(tok)
     text = ex.probe_text(tok, config)
     comps = args.compressions.split(",")
     quantizers = (ex.calibrate_quantizers(model, tok, config)
@@ -84,7 +85,7 @@ def main(argv=None):
     totals, asked = collections.Counter(), collections.Counter()
     log_probs = collections.defaultdict(list)
     for ci in range(args.contexts):
-        task = tasks.retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
+        task = retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
                                     seed=args.seed_offset + ci)
         length, rows = len(task.context), answer_rows(tok, task)
 
@@ -102,16 +103,16 @@ def main(argv=None):
             t0 = time.perf_counter()
             probe_over, selection, kwargs = SETTINGS[name]
             probe_cfg = ProbeConfig(**{**config.probes.to_dict(), "seed": config.seed,
-                                       "reply_prefix": reply_prefix, **probe_over})
-            probed = probe_context(model, ex._calibration(task.context), probe_cfg, text)
+                                       "reply_prefix": prefix, **probe_over})
+            probed = probe_context(model, CalibrationData.from_context(task.context),
+                                   probe_cfg, text)
             first = name == settings[0]
             if first:  # the full cache and the unpatched press do not depend on probes
                 score("full", "full", ex.Variant(model=reference_model(model),
                                                  states=probed.ref_states))
             for comp in comps:
-                m, states = compressed(model, comp, probed, quantizers)
-                methods = ["patchkv"] + (["none"] if first else [])
-                variants = ex.make_variants(m, states, probed, methods,
+                methods = [("patchkv",)] + ([()] if first else [])
+                variants = ex.make_variants(model, press(comp, quantizers), probed, methods,
                                             ridge_config(selection),
                                             {"target": config.patch_target, **kwargs})
                 for meth, v in variants.items():

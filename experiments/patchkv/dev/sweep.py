@@ -6,7 +6,7 @@ tokens [4096, 5120) and [8333, 9357)); the small test run reads [0, 1024) and
 setting is chosen on a test context. Continuation perplexity only
 (retrieval is 8 questions: too coarse to tune on).
 
-    python -m experiments.patchkv.dev_sweep --settings base,t07,gen32 [--contexts 2]
+    python -m experiments.patchkv.dev.sweep --settings base,t07,gen32 [--contexts 2]
 
 Prints one JSON line per (setting, context, compression) and a gap-closed table
 (pooled over the dev contexts: ppl = exp(total NLL / total tokens)).
@@ -25,10 +25,10 @@ from experiments.patchkv import experiment as ex
 from experiments.patchkv.patchkv import get_config
 from research import data
 from research.model import load
-from research.patchkv import session, tasks
-from research.patchkv.patch import DEV_QUERY_SCALES, DEV_STRENGTHS
-from research.patchkv.probes import ProbeConfig, probe_context, reference_model
-from research.patchkv.ridge import RidgeConfig
+from research.patchkv import (DEV_QUERY_SCALES, DEV_STRENGTHS, ContextCache, ProbeConfig,
+                              RidgeConfig, continuation_tasks, probe_context, reference_model,
+                              score_continuations)
+from research.transforms import CalibrationData
 
 # name -> (probe overrides, ridge selection, fit_patches kwargs)
 SETTINGS = {
@@ -84,12 +84,12 @@ SETTINGS = {
                         "query_scales": DEV_QUERY_SCALES}),
     "text128rep32_ffn": ({"n_generated": 0, "n_repeat": 32, "n_text": 128}, "holdout",
                          {"strengths": DEV_STRENGTHS, "ffn": True}),
-    # context repeats alone with the W_down patch (retrieval contexts: dev_retrieval)
+    # context repeats alone with the W_down patch (retrieval contexts: dev.retrieval)
     **{f"rep{n}_ffn": ({"n_generated": 0, "n_repeat": n, "n_text": 0}, "holdout",
                        {"strengths": DEV_STRENGTHS, "ffn": True}) for n in (32, 64, 128)},
     "rep128l32_ffn": ({"n_generated": 0, "n_repeat": 128, "n_text": 0, "length": 32},
                       "holdout", {"strengths": DEV_STRENGTHS, "ffn": True}),
-    # reply probes (chat contexts: retrieval; dev_retrieval fills in the reply prefix)
+    # reply probes (chat contexts: retrieval; dev.retrieval fills in the reply prefix)
     "gen32reply32_wide": ({"n_generated": 32, "n_repeat": 0, "n_reply": 32}, "holdout",
                           {"strengths": DEV_STRENGTHS}),
     "reply64_wide": ({"n_generated": 0, "n_repeat": 0, "n_reply": 64}, "holdout",
@@ -129,11 +129,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     config, model, tok, heldout = load_small()
     cc = config.continuation
-    dev = tasks.continuation_tasks(heldout, n_contexts=args.contexts,
+    dev = continuation_tasks(heldout, n_contexts=args.contexts,
                                    context_len=cc.context_len,
                                    n_continuations=cc.n_continuations,
                                    continuation_len=cc.continuation_len, offset=args.offset)
-    test = tasks.continuation_tasks(heldout, **cc.to_dict())
+    test = continuation_tasks(heldout, **cc.to_dict())
     if overlaps(dev, test):
         sys.exit(f"--offset {args.offset}: dev contexts overlap the test contexts' tokens")
     quantizers = {} if args.no_tasq else ex.calibrate_quantizers(model, tok, config)
@@ -161,28 +161,25 @@ def main(argv=None):
             ridge_cfg = ridge_config(selection, baseline)
             t0 = time.perf_counter()
             if probe_cfg not in probed_by_cfg:
-                probed_by_cfg = {probe_cfg: probe_context(model, ex._calibration(task.context),
-                                                          probe_cfg, text)}
+                context = CalibrationData.from_context(task.context)
+                probed_by_cfg = {probe_cfg: probe_context(model, context, probe_cfg, text)}
             probed = probed_by_cfg[probe_cfg]
             length = len(task.context)
             if ci not in full_contrib:
-                ctx = session.ContextCache(probed.ref_states, length, None)
-                full = session.score_continuations(ref, ctx, task.continuations,
-                                                   attention=True)
+                ctx = ContextCache(probed.ref_states, length, None)
+                full = score_continuations(ref, ctx, task.continuations, attention=True)
                 full_contrib[ci] = full.attn_contrib
                 nll[("full", ci, "full")] = (full.nll * full.n_tokens, full.n_tokens, 0.0)
             for comp, ratio in combos:
                 if baseline and ratio is None:
                     continue
                 key = f"{comp}@{ratio}" if ratio is not None else comp
-                if ratio is not None:
-                    m, states = ex.compressed_states(model, comp, ratio, probed)
-                else:
-                    m, states = ex.quantized_states(model, quantizers[comp], probed)
-                methods = [selection if baseline else "patchkv"]
+                press = (ex.press_transform(comp, ratio) if ratio is not None
+                         else quantizers[comp])
+                methods = [(selection,) if baseline else ("patchkv",)]
                 if ("none", ci, key) not in nll:
-                    methods = ["none"] + methods
-                variants = ex.make_variants(m, states, probed, methods, ridge_cfg, kwargs)
+                    methods = [()] + methods
+                variants = ex.make_variants(model, press, probed, methods, ridge_cfg, kwargs)
                 for meth, v in variants.items():
                     s = ex.score_continuation(v, length, task, full_contrib[ci])
                     tag = "none" if meth == "none" else name
