@@ -7,8 +7,9 @@ A technique is a `Transform`, a NamedTuple of two pure functions (optax style):
 
 `state` is a pytree (codebooks, patches, plans), so it can be saved with orbax and
 re-applied without recalibrating. `chain(a, b)` calibrates `b` on the model `a` produced:
-`chain(tasq(bits=1), patchkv(budget=0.1))` quantizes the KV cache, then fits a patch
-that compensates what quantization lost.
+`chain(evict("snapkv", 0.1), patchkv())` (`research.eviction.evict`,
+`research.patchkv.patch.patchkv`) keeps 10% of the context's KV per head, then fits a
+ridge weight patch that compensates what eviction lost.
 """
 from __future__ import annotations
 
