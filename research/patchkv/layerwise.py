@@ -2,8 +2,8 @@
 
 Fitting layer l's patch on the model that layers < l already patched needs the hidden
 states between layers; `layer_view(model, l)` is a one-layer Model sharing layer l's
-params and cache, so every layer runs through the same compiled program (the model's own public block,
-`research.model.llama.decoder_block`, unchanged).
+params and cache, so every layer runs through the same compiled program (the model's own
+public block, `research.model.llama.decoder_block`, unchanged).
 """
 from __future__ import annotations
 

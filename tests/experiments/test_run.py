@@ -74,7 +74,8 @@ def test_unknown_override_names_the_key_and_close_matches():
     assert "'ppl.windo'" in msg and "did you mean 'ppl.window'?" in msg
     msg = unknown_override(config, ["--config.zzz=1"])
     assert "'zzz'" in msg and "the config has ppl, seed" in msg
-    assert "ppl.window is a leaf of type int" in unknown_override(config, ["--config.ppl.window.x=1"])
+    msg = unknown_override(config, ["--config.ppl.window.x=1"])
+    assert "ppl.window is a leaf of type int" in msg
 
 
 def test_bad_config_arg_is_an_error(tmp_path):
