@@ -1,13 +1,12 @@
-"""Shared experiment plumbing: reports, result files, timing, versions."""
+"""Shared experiment plumbing: reports, result files, versions (timing:
+research.core.timing)."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -96,18 +95,6 @@ def _jsonable(x):
     if dataclasses.is_dataclass(x):
         return dataclasses.asdict(x)
     return str(x)
-
-
-def time_fn(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 3) -> dict:
-    """Median / min wall seconds of `fn()` (its result blocked on) after warm-up calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
 
 
 def claim(name: str, target: str, measured: Any, met: bool | None) -> dict:

@@ -7,11 +7,16 @@ from nbformat.v4 import new_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 
-INSTALL = '''# Setup. In Colab, servax is installed from SERVAX_SOURCE (a git URL or path of your
-# servax checkout); run from a checkout, the repo root one level up is used as it is.
+INSTALL = '''# Setup. In Colab: first upload or `!git clone` your servax checkout (default place:
+# /content/servax, else set the SERVAX_SOURCE environment variable to its path); it is
+# pip-installed from there. Run from a checkout, the repo root one level up is used as is.
 import importlib.metadata, importlib.util, os, sys
-if importlib.util.find_spec("google.colab") is not None:
-    %pip install -q "{os.environ.get('SERVAX_SOURCE', 'git+https://github.com/servax/servax')}"
+try:
+    IN_COLAB = importlib.util.find_spec("google.colab") is not None
+except ModuleNotFoundError:  # no `google` package at all: certainly not Colab
+    IN_COLAB = False
+if IN_COLAB:
+    %pip install -q "{os.environ.get('SERVAX_SOURCE', '/content/servax')}"
 elif importlib.util.find_spec("research") is None:
     sys.path.insert(0, os.path.abspath(".."))
 try:

@@ -10,11 +10,13 @@ Global JAX settings (x64, matmul precision, host device count) are set here only
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -25,6 +27,54 @@ _WORKDIR = flags.DEFINE_string("workdir", "results", "where result folders are w
 _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices", None, "simulate this many CPU devices (XLA host platform); "
     "defaults to config.host_devices when the config has it")
+
+
+def unknown_override(config, argv: Sequence[str]) -> str | None:
+    """A one-line error for the first `--config.<path>=...` in `argv` whose path is not in
+    `config` (with the closest existing keys), or None when every path exists."""
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        path = arg[len("--config."):].split("=", 1)[0]
+        node, done = config, []
+        for part in path.split("."):
+            where = ".".join(done) or "the config"
+            if not hasattr(node, "keys"):
+                return (f"unknown config key {path!r} in --config.{path}: {where} is a leaf of "
+                        f"type {type(node).__name__}, not a group of keys")
+            keys = list(node.keys())
+            if part not in keys:
+                close = difflib.get_close_matches(part, keys, n=3)
+                hint = ("did you mean " + " or ".join(repr(".".join(done + [c])) for c in close)
+                        + "?" if close else f"{where} has {', '.join(sorted(keys))}")
+                return f"unknown config key {path!r} in --config.{path}: {hint}"
+            node, done = node[part], done + [part]
+    return None
+
+
+def _parse_flags(argv):
+    """absl's flag parsing, but an unknown `--config.<key>` is a one-line error naming the
+    key (ml_collections raises a bare AttributeError from inside flag parsing)."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError):
+        message = None
+        try:
+            value = flags.FLAGS["config"].parser.parse(_config_arg(argv))
+            message = unknown_override(value, argv)
+        except Exception:  # noqa: BLE001 - fall back to the original error below
+            pass
+        if message is None:
+            raise
+        sys.stderr.write(f"FATAL Flags parsing error: {message}\n")
+        sys.exit(1)
+
+
+def _config_arg(argv: Sequence[str]) -> str:
+    values = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    if not values:
+        raise ValueError("no --config=<file> in argv")
+    return values[-1]
 
 
 def _set_platform_flags(config) -> None:
@@ -61,4 +111,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

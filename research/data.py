@@ -62,7 +62,12 @@ def load_text(path: str | None, split: str = "heldout") -> str:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"text file not found: {p}")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text file {p} is not UTF-8: byte {e.object[e.start]:#04x} at "
+                         f"offset {e.start} ({e.reason}); expected UTF-8 text (convert it, "
+                         f"e.g. iconv -f latin1 -t utf-8)") from None
     if not text.strip():
         raise ValueError(f"text file {p} is empty")
     return text

@@ -7,8 +7,8 @@ A technique is a `Transform`, a NamedTuple of two pure functions (optax style):
 
 `state` is a pytree (codebooks, patches, plans), so it can be saved with orbax and
 re-applied without recalibrating. `chain(a, b)` calibrates `b` on the model `a` produced:
-`chain(tasq(bits=1), patchkv())` quantizes the KV cache, then fits a patch that
-compensates what quantization lost. `stateless(apply, name)` is a transform with nothing
+`chain(evict("snapkv", 0.1), patchkv())` keeps 10% of the context's KV per head, then
+fits a ridge weight patch that compensates what eviction lost. `stateless(apply, name)` is a transform with nothing
 to calibrate (a cache swap, a dtype cast); `frozen(t, state)` reuses a calibration made
 earlier (e.g. a codebook calibrated once per model).
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import time_fn
+from research.core.timing import time_fn
 from kernels_pallas.grouped_matmul import (BlockSizes, grouped_matmul, gmm_reference,
                                            tgmm_reference, transposed_grouped_matmul)
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import time_fn
+from research.core.timing import time_fn
 from kernels_pallas.vq_attention import vq_decode_attention
 from research.core.attention import attend
 

@@ -12,7 +12,7 @@ start past the budget is recorded as skipped. A failing case is recorded with it
 and the run goes on; the JSON file is rewritten after every section, so a run stopped at
 its time limit still leaves what it measured.
 Exits 1 if any check failed or raised. Timings are medians after warm-up
-(experiments.common.time_fn); checks compare against the references the CPU tests use.
+(research.core.timing.time_fn); checks compare against the references the CPU tests use.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench sc
 import bench_grouped_matmul_gpu as gmm_bench  # noqa: E402
 import bench_paged_attention_gpu as paged_bench  # noqa: E402
 import bench_vq_attention_gpu as vq_bench  # noqa: E402
-from experiments.common import time_fn  # noqa: E402
+from research.core.timing import time_fn  # noqa: E402
 from kernels_pallas.grouped_matmul import (BlockSizes as GmmBlocks, grouped_matmul,  # noqa: E402
                                            gmm_reference, tgmm_reference,
                                            transposed_grouped_matmul)

@@ -29,3 +29,10 @@ def test_load_text(tmp_path):
         data.load_text(str(tmp_path / "e.txt"))
     with pytest.raises(ValueError, match="split"):
         data.corpus_text("test")
+
+
+def test_load_text_names_a_non_utf8_file(tmp_path):
+    p = tmp_path / "latin1.txt"
+    p.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8: byte 0xe9 at offset 3"):
+        data.load_text(str(p))

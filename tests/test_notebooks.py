@@ -40,3 +40,17 @@ def test_notebook_is_what_its_generator_writes(path):
     stored = nbformat.read(path, as_version=4)
     assert [c.source for c in stored.cells] == [c.source for c in cells], (
         f"{path.name} differs from its generator; regenerate it")
+
+
+def test_setup_cell_runs_in_a_jupyter_without_google():
+    """Outside Colab there may be no `google` package at all, and then
+    importlib.util.find_spec("google.colab") raises instead of returning None."""
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from experiments.notebook_cells import INSTALL
+    nb = new_notebook(cells=[
+        new_code_cell("import sys\nsys.modules['google'] = None  # no `google` package"),
+        new_code_cell(INSTALL),
+        new_code_cell("assert IN_COLAB is False\nimport research")])
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={
+        "metadata": {"path": str(ROOT / "notebooks")}}).execute()

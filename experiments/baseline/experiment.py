@@ -7,6 +7,7 @@ import numpy as np
 
 from experiments import common
 from research import data
+from research.core.timing import time_fn
 from research.eval.perplexity import perplexity
 from research.kv import memory
 from research.model import load
@@ -32,12 +33,12 @@ def measure_throughput(model, batch: int, prompt_len: int, new_tokens: int, repe
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     max_len = prompt_len + new_tokens
     fresh = lambda: model.init_cache(batch, max_len)  # noqa: E731
-    pre = common.time_fn(lambda: gen.prefill(model, tokens, lengths, fresh()), repeats=repeats)
+    pre = time_fn(lambda: gen.prefill(model, tokens, lengths, fresh()), repeats=repeats)
     logits, states = gen.prefill(model, tokens, lengths, fresh())
     decode = lambda: gen.decode_loop(  # noqa: E731
         model, logits, lengths, states, jax.random.key(seed), max_new_tokens=new_tokens,
         sampling=gen.SamplingConfig(), stop_tokens=())
-    dec = common.time_fn(decode, repeats=repeats)
+    dec = time_fn(decode, repeats=repeats)
     return {"prefill_tok_s": batch * prompt_len / pre["median_s"],
             "decode_tok_s": batch * (new_tokens - 1) / dec["median_s"],
             "prefill_s": pre["median_s"], "decode_s": dec["median_s"]}

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from experiments import common
 from kernels_pallas.grouped_matmul import BlockSizes, GroupedMatmul
 from research import data as corpus
+from research.core.timing import geomean, time_fn, time_interleaved
 from research.megaflux import (EPLB, NODES, SHAPES, EPConfig, SkewSpec, capacity_plan,
                                device_loads, ep_moe_ffn, gamma, instance_counts, max_vio,
                                megaflux, per_device_histograms, plan_replicas, static_plan,
@@ -76,16 +77,14 @@ def device_groups(plan, hist: np.ndarray) -> np.ndarray:
     return np.asarray(_counts(jax.tree.map(jnp.asarray, plan), jnp.asarray(hist))).sum(0)
 
 
-def _time_device(rows: np.ndarray, weights, x: np.ndarray, row_scale: int) -> float:
-    """Seconds of one device's grouped SwiGLU over its real rows (one chain per group)."""
+def _device_work(rows: np.ndarray, weights, x: np.ndarray, row_scale: int) -> None:
+    """One device's grouped SwiGLU over its real rows (one chain per group)."""
     w_gate, w_up, w_down = weights
-    t0 = time.perf_counter()
     for g, n in enumerate(rows):
         if n:
             xs = x[:-(-int(n) // row_scale)]
             a, b = xs @ w_gate[g], xs @ w_up[g]
             _ = (a / (1 + np.exp(-a)) * b) @ w_down[g]
-    return time.perf_counter() - t0
 
 
 def measure_max_device_seconds(groups: dict, weights, x: np.ndarray, repeats: int,
@@ -98,13 +97,12 @@ def measure_max_device_seconds(groups: dict, weights, x: np.ndarray, repeats: in
     in rows, so ratios between methods are preserved) to bound the run time. BLAS runs
     single-threaded: on an oversubscribed host a multi-threaded matmul waits whole
     scheduler slices for its second thread, which swamps millisecond shards."""
-    best = {m: np.full(len(g), np.inf) for m, g in groups.items()}
+    fns = {(m, d): functools.partial(_device_work, rows, weights, x, row_scale)
+           for m, per_device in groups.items() for d, rows in enumerate(per_device)}
     with threadpool_limits(limits=1):
-        for _ in range(repeats):
-            for m, per_device in groups.items():
-                for d, rows in enumerate(per_device):
-                    best[m][d] = min(best[m][d], _time_device(rows, weights, x, row_scale))
-    return {m: float(b.max()) for m, b in best.items()}
+        times = time_interleaved(fns, warmup=0, repeats=repeats)
+    return {m: max(min(times[m, d]["wall_s"]) for d in range(len(per_device)))
+            for m, per_device in groups.items()}
 
 
 def evaluate(name: str, runs: list[np.ndarray], slots: int, config, measure_rng,
@@ -229,14 +227,10 @@ def model_check(model, config) -> dict:
 
 # ----------------------------------------------------------------------------- report
 
-def _geomean(xs) -> float:
-    return float(np.exp(np.mean(np.log(xs))))
-
-
 def measure_planner_seconds(n_experts: int, n_devices: int, slots: int) -> float:
     loads = jnp.asarray(np.random.default_rng(0).integers(0, 1000, n_experts), jnp.int32)
-    return common.time_fn(lambda: _plan(loads, n_devices, slots, 1), warmup=2,
-                          repeats=20)["median_s"]
+    return time_fn(lambda: _plan(loads, n_devices, slots, 1), warmup=2,
+                   repeats=20)["median_s"]
 
 
 def run(config, out_dir: Path) -> common.Report:
@@ -271,8 +265,8 @@ def _report(config, rows, check, whole, trained, train_s, tc, planner_s,
     key = f"{NODES[node].name}|{shape}"
     mf = [r for r in rows if r["method"] == "MegaFlux"]
     by = {(r["scenario"], r["method"]): r for r in rows}
-    fwd = _geomean([r[f"{key}|fwd_x"] for r in mf])
-    bwd = _geomean([r[f"{key}|bwd_x"] for r in mf])
+    fwd = geomean([r[f"{key}|fwd_x"] for r in mf])
+    bwd = geomean([r[f"{key}|bwd_x"] for r in mf])
     stationary = [r for r in mf if r["scenario"].endswith("drift 0")]
     real = [r for r in mf if r["scenario"].startswith("trained")]
     drifting = [r["scenario"] for r in mf if "drift 0." in r["scenario"]]
@@ -305,13 +299,13 @@ def _report(config, rows, check, whole, trained, train_s, tc, planner_s,
                      f"{max(r['dropped_%'] for r in rows if r['method'] == 'capacity 1.25'):.1f}%)",
                      max(r["dropped_%"] for r in mf) == 0 and check["dropped"] == 0),
         common.claim("measured CPU per-device compute, max over devices (geomean static/MF)",
-                     "n/a", f"{_geomean([r['cpu_speedup'] for r in mf]):.2f}x", None),
+                     "n/a", f"{geomean([r['cpu_speedup'] for r in mf]):.2f}x", None),
     ]
     columns = ["scenario", "method", "gamma", "MaxVio", "dropped_%", "replica_MB/step",
                "cpu_max_device_ms", "cpu_speedup", f"{key}|fwd_ms", f"{key}|bwd_ms",
                f"{key}|fwd_x", f"{key}|bwd_x"]
     other = [k for k in rows[0] if k.endswith("_x") and k not in columns]
-    geo = {k: _geomean([r[k] for r in mf]) for k in other + [f"{key}|fwd_x", f"{key}|bwd_x"]}
+    geo = {k: geomean([r[k] for r in mf]) for k in other + [f"{key}|fwd_x", f"{key}|bwd_x"]}
     gap = trained.losses[-1]
     notes = [
         f"trained MoE LM: byte-level, {tc.n_layers} layers, dim {tc.dim}, {tc.n_experts} "

@@ -7,7 +7,6 @@ medians: load drift on the shared CPU hits every variant alike.
 from __future__ import annotations
 
 import statistics
-import time
 
 import jax
 import numpy as np
@@ -15,6 +14,7 @@ from tqdm import tqdm
 
 from experiments import common
 from experiments.specdecode import prompts as P
+from research.core.timing import geomean, time_interleaved
 from research.model import load
 from research.serving.generate import PAD_BUCKET, default_stop_tokens, generate, round_up
 from research.serving.sampling import SamplingConfig
@@ -31,26 +31,14 @@ def _ids(tok, prompt):
 
 
 def _time_interleaved(fns: dict, repeats: int) -> dict:
-    """Per-variant timings, rounds alternating the order (A B C, C B A, ...).
-
-    Returns {name: {"wall": [s per round], "cpu": [process CPU s per round]}}; compare
-    variants with `_paired_speedup` (ratios within a round cancel slow load drift).
-    Process CPU time counts only this process's threads, so it is far less sensitive to
-    other jobs on a shared machine than wall time.
-    """
-    times = {name: {"wall": [], "cpu": []} for name in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            w0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fns[name]())
-            times[name]["wall"].append(time.perf_counter() - w0)
-            times[name]["cpu"].append(time.process_time() - c0)
-    return times
+    """Per-variant wall and process-CPU timings, rounds alternating the order (A B C,
+    C B A, ...); the callers warm up (and keep the results) first. Compare variants with
+    `_paired_speedup` (ratios within a round cancel slow load drift)."""
+    return time_interleaved(fns, warmup=0, repeats=repeats, alternate=True)
 
 
-def _paired_speedup(times, name, kind="wall"):
-    """Median over rounds of plain / variant time in the same round."""
+def _paired_speedup(times, name, kind="wall_s"):
+    """Median over rounds of plain / variant time in the same round (kind: wall_s, cpu_s)."""
     return statistics.median(p / v for p, v in zip(times["plain"][kind], times[name][kind]))
 
 
@@ -101,9 +89,9 @@ def _prompt_rows(model, tok, config, variants, exit_variant, stops):
         for name, out in outs.items():
             row = {"category": cat, "prompt": i, "variant": name, "prompt_tokens": len(ids[0]),
                    "new_tokens": n_tokens,
-                   "wall_s": statistics.median(times[name]["wall"]),
+                   "wall_s": statistics.median(times[name]["wall_s"]),
                    "speedup": _paired_speedup(times, name),
-                   "cpu_speedup": _paired_speedup(times, name, "cpu")}
+                   "cpu_speedup": _paired_speedup(times, name, "cpu_s")}
             if name != "plain":
                 st = out.stats
                 row.update(greedy_identical=out.tokens == outs["plain"].tokens,
@@ -116,10 +104,6 @@ def _prompt_rows(model, tok, config, variants, exit_variant, stops):
     return rows
 
 
-def _geomean(xs):
-    return float(np.exp(np.mean(np.log(xs))))
-
-
 def _summary(rows):
     """Per (category, variant): geometric mean over prompts of the per-prompt speedups."""
     out = []
@@ -129,8 +113,8 @@ def _summary(rows):
         drafted = sum(m["drafted"] for m in mine)
         out.append({
             "category": cat, "variant": var, "prompts": len(mine),
-            "speedup": _geomean([m["speedup"] for m in mine]),
-            "cpu_speedup": _geomean([m["cpu_speedup"] for m in mine]),
+            "speedup": geomean([m["speedup"] for m in mine]),
+            "cpu_speedup": geomean([m["cpu_speedup"] for m in mine]),
             "min_prompt_speedup": min(m["speedup"] for m in mine),
             "acceptance": (sum(m["acceptance"] * m["drafted"] for m in mine if m["drafted"])
                            / drafted if drafted else float("nan")),
@@ -156,7 +140,7 @@ def _batched_row(model, tok, config, variants, stops):
     st = spec.stats
     per_row = [round((len(t) - 1) / max(a, 1), 2) for t, a in zip(spec.tokens, st.active_steps)]
     return {"batch": len(ids), "speedup": _paired_speedup(times, "lookup_adaptive"),
-            "cpu_speedup": _paired_speedup(times, "lookup_adaptive", "cpu"),
+            "cpu_speedup": _paired_speedup(times, "lookup_adaptive", "cpu_s"),
             "greedy_identical": spec.tokens == outs["plain"].tokens,
             "tokens_per_forward_per_row": per_row, "acceptance": st.acceptance_rate}
 

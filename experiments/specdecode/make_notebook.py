@@ -20,7 +20,7 @@ CELLS = [
         "`python -m experiments.run --config=experiments/specdecode/specdecode.py:small`."),
     new_code_cell(INSTALL),
     new_code_cell(
-        "import jax, time\n"
+        "import jax\n"
         "from research.model import load\n"
         "from research.serving.generate import generate, default_stop_tokens\n"
         "from research.serving.sampling import SamplingConfig\n"
@@ -53,14 +53,13 @@ CELLS = [
         "On a CPU a verify pass of k + 1 tokens costs more than one token; "
         "`measure_step_costs` measures that curve and the policy uses it."),
     new_code_cell(
-        "def wall(fn, n=2):\n"
-        "    best = []\n"
-        "    for _ in range(n):\n"
-        "        t0 = time.perf_counter(); fn(); best.append(time.perf_counter() - t0)\n"
-        "    return min(best)\n"
-        "t_plain = wall(lambda: generate(model, ids, max_new_tokens=48, stop_tokens=stops))\n"
-        "t_spec = wall(lambda: speculative_generate(model, ids, drafter=prompt_lookup(),\n"
-        "                                           max_new_tokens=48, stop_tokens=stops))\n"
+        "from research.core.timing import time_interleaved\n"
+        "times = time_interleaved({\n"
+        "    'plain': lambda: generate(model, ids, max_new_tokens=48, stop_tokens=stops),\n"
+        "    'spec': lambda: speculative_generate(model, ids, drafter=prompt_lookup(),\n"
+        "                                         max_new_tokens=48, stop_tokens=stops)},\n"
+        "    warmup=0, repeats=2)  # both already compiled above\n"
+        "t_plain, t_spec = (min(times[k]['wall_s']) for k in ('plain', 'spec'))\n"
         "print(f'plain {t_plain:.2f}s, speculative {t_spec:.2f}s: {t_plain / t_spec:.2f}x')"),
     new_markdown_cell(
         "## Other drafters\n"

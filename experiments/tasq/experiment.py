@@ -19,6 +19,7 @@ from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.model import load
 from research.core.attention import attend
+from research.core.timing import time_interleaved
 from research.tasq import (CQCodec, TaSQConfig, attention_output_error, bits_per_channel,
                            cache_param_bytes, cq_style, int8_kv, kivi_kv,
                            max_batch_with_codebooks, plain_vq, sign_kv, tasq)
@@ -148,16 +149,8 @@ def time_decode(caches: dict, model_config, context: int, batch: int, warmup: in
 def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict:
     """Median seconds of each fn, timed in alternation (A, B, A, B, ...) after warm-up, so a
     shared machine's load drifts hit both sides alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    times = time_interleaved(fns, warmup=warmup, repeats=repeats)
+    return {name: float(np.median(t["wall_s"])) for name, t in times.items()}
 
 
 def _decode_step(cache, state, c, batch, context, rng):

@@ -238,11 +238,3 @@ def trim_states(states: tuple, room: int) -> tuple:
             s = {name: (a if name == "n" else a[:, :keep]) for name, a in s.items()}
         out.append(s)
     return tuple(out)
-
-
-def compression_summary(states: tuple, lengths) -> dict:
-    """Kept fraction of the context per evicting layer (mean over rows and layers)."""
-    fracs = [float(jnp.mean(kept_tokens(s) / jnp.asarray(lengths))) for s in states
-             if is_evicting(s)]
-    return {"evicting_layers": len(fracs),
-            "kept_fraction": sum(fracs) / len(fracs) if fracs else math.nan}

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -67,6 +69,28 @@ class EPConfig:
     axis_name: str = "ep"
 
     def __post_init__(self):
+        # Types first: a float here (capacity=1.25) would otherwise fail deep inside JAX.
+        for name in ("n_experts", "top_k", "replica_slots", "min_replica_tokens", "capacity"):
+            value = getattr(self, name)
+            if name == "capacity" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                expected = "None (dropless) or an int" if name == "capacity" else "an int"
+                raise TypeError(f"EPConfig.{name} must be {expected}, got {value!r} "
+                                f"({type(value).__name__})")
+            object.__setattr__(self, name, int(value))  # numpy ints -> int (hashable, static)
+        if not isinstance(self.renormalize, (bool, np.bool_)):
+            raise TypeError(f"EPConfig.renormalize must be a bool, got {self.renormalize!r}")
+        object.__setattr__(self, "renormalize", bool(self.renormalize))
+        if not isinstance(self.transport, str):
+            raise TypeError(f"EPConfig.transport must be a str, one of "
+                            f"{transport.TRANSPORTS}, got {self.transport!r}")
+        if not isinstance(self.matmul, GroupedMatmul):
+            raise TypeError(f"EPConfig.matmul must be a GroupedMatmul, got "
+                            f"{type(self.matmul).__name__}")
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            raise TypeError(f"EPConfig.axis_name must be a non-empty str (the mesh axis), "
+                            f"got {self.axis_name!r}")
         if self.n_experts < 1:
             raise ValueError(f"n_experts must be >= 1, got {self.n_experts}")
         if not 1 <= self.top_k <= self.n_experts:

@@ -25,9 +25,3 @@ def used_slots(slot_expert) -> int:
 def replica_bytes(slot_expert, expert_bytes: int) -> int:
     """Weight bytes moved to create this step's replicas (one expert copy per used slot)."""
     return used_slots(slot_expert) * int(expert_bytes)
-
-
-def changed_slot_bytes(previous, current, expert_bytes: int) -> int:
-    """Bytes moved when a static placement changes (EPLB re-plans): new or changed slots."""
-    prev, cur = np.asarray(previous), np.asarray(current)
-    return int(((cur >= 0) & (cur != prev)).sum()) * int(expert_bytes)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from research.kv.base import KVCache
 from research.kv.codec import FloatCodec
@@ -110,6 +110,17 @@ class ForwardOutput(NamedTuple):
     cache_states: tuple | None
     captures: tuple | None  # per layer dict of activations when capture=True
     routing: tuple | None  # per MoE layer Routing, else None entries
+    # [B] int32 when check_finite=True: per row, the first layer whose K/V or block output
+    # holds a NaN/inf at a real (non-padding) token; -1 when every layer stayed finite.
+    nonfinite_layer: Array | None = None
+
+
+class BlockOutput(NamedTuple):
+    x: Array  # [B, T, D] residual stream after the layer
+    cache_state: Any  # the layer's new cache state (None without a cache)
+    captured: dict | None  # {"h","q","k_pre","k","v","attn"} when capture=True
+    routing: Any  # Routing of an MoE layer, else None
+    nonfinite: Array | None  # [B] bool when check_finite=True: NaN/inf in K/V or output
 
 
 def _project_qkv(c: ModelConfig, p: dict, h: Array, positions: Array):
@@ -122,7 +133,13 @@ def _project_qkv(c: ModelConfig, p: dict, h: Array, positions: Array):
     return q, k_pre, k, v
 
 
-def _ffn(c: ModelConfig, layer: int, p: dict, h: Array):
+def feed_forward(config: ModelConfig, layer: int, p: dict, h: Float[Array, "B T D"]):
+    """Layer `layer`'s FFN on the normed residual `h` (dense SwiGLU, or the MoE FFN with
+    `config.moe.ffn` when set): returns (y [B, T, D], Routing or None).
+
+    A public hook: code that re-runs part of a layer (e.g. PatchKV's layer-wise fitting,
+    `research.patchkv.layerwise`) calls this to stay identical to `forward`."""
+    c = config
     if not c.is_moe(layer):
         return layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), None
     b, t, d = h.shape
@@ -131,7 +148,29 @@ def _ffn(c: ModelConfig, layer: int, p: dict, h: Array):
     return y.reshape(b, t, d), routing
 
 
-def _block(model: Model, layer: int, x, positions, valid, cache_state, start, n_new, capture):
+def _nonfinite_rows(a: Array, valid: Bool[Array, "B T"]) -> Bool[Array, "B"]:
+    """Rows with a NaN/inf anywhere in `a` [B, T, ...] at a real token."""
+    bad = ~jnp.isfinite(a).reshape(a.shape[0], a.shape[1], -1).all(-1)
+    return (bad & valid).any(-1)
+
+
+def decoder_block(model: Model, layer: int, x: Float[Array, "B T D"],
+                  positions: Int[Array, "B T"], valid: Bool[Array, "B T"], cache_state,
+                  start: Int[Array, "B"] | None, n_new: Int[Array, "B"] | None,
+                  capture: bool = False, check_finite: bool = False) -> BlockOutput:
+    """One decoder layer (pre-norm attention + FFN, residuals) as `forward` runs it.
+
+    positions: absolute position of every token; valid: real (non-padding) tokens.
+    cache_state: the layer's cache state (K/V written at start[b] + t for t < n_new[b],
+      attention read through `model.caches[layer]`), or None for cache-free causal
+      attention over the chunk alone (start / n_new unused then).
+    capture: also return the layer's activations; check_finite: also return which rows
+      have a NaN/inf in this layer's K/V or output at a real token.
+
+    A public hook: code that runs a model one layer at a time (e.g. PatchKV's layer-wise
+    fitting over a one-layer view of the model, `research.patchkv.layerwise`) calls this
+    so it stays identical to `forward`.
+    """
     c, p = model.config, model.params["layers"][layer]
     h = layers.rms_norm(x, p["attn_norm"], c.norm_eps)
     q, k_pre, k, v = _project_qkv(c, p, h, positions)
@@ -145,12 +184,16 @@ def _block(model: Model, layer: int, x, positions, valid, cache_state, start, n_
     attn_flat = attn.reshape(b, t, c.n_heads * c.head_dim)
     x = x + attn_flat @ p["wo"]
     h2 = layers.rms_norm(x, p["ffn_norm"], c.norm_eps)
-    ffn_out, routing = _ffn(c, layer, p, h2)
+    ffn_out, routing = feed_forward(c, layer, p, h2)
     x = x + ffn_out
     captured = None
     if capture:
         captured = {"h": h, "q": q, "k_pre": k_pre, "k": k, "v": v, "attn": attn_flat}
-    return x, cache_state, captured, routing
+    nonfinite = None
+    if check_finite:
+        nonfinite = (_nonfinite_rows(k, valid) | _nonfinite_rows(v, valid)
+                     | _nonfinite_rows(x, valid))
+    return BlockOutput(x, cache_state, captured, routing, nonfinite)
 
 
 def unembed(model: Model, h: Array) -> Array:
@@ -163,7 +206,8 @@ def unembed(model: Model, h: Array) -> Array:
 
 def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | None = None,
             start: Int[Array, "B"] | None = None, n_new: Int[Array, "B"] | None = None,
-            logits: str = "all", capture: bool = False) -> ForwardOutput:
+            logits: str = "all", capture: bool = False,
+            check_finite: bool = False) -> ForwardOutput:
     """Run a chunk of tokens.
 
     tokens: [B, T] int32, right-padded; row b's real tokens are tokens[b, :n_new[b]] at
@@ -172,6 +216,8 @@ def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | No
       causal attention over the chunk alone.
     logits: "all" -> [B, T, V]; "last" -> [B, V] at each row's last real token; "none".
     capture: also return per-layer activations (for calibrating transforms).
+    check_finite: also return `nonfinite_layer` [B]: per row the first layer whose K/V or
+      output holds a NaN/inf at a real token, -1 if none (a few reductions per layer).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, time], got {tokens.shape=}")
@@ -185,14 +231,15 @@ def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | No
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < n_new[:, None]
     x = model.params["embed"][tokens]
-    new_states, captures, routings = [], [], []
+    new_states, captures, routings, nonfinite = [], [], [], []
     for layer in range(model.config.n_layers):
         state = None if cache_states is None else cache_states[layer]
-        x, state, cap, routing = _block(model, layer, x, positions, valid, state, start,
-                                        n_new, capture)
+        x, state, cap, routing, bad = decoder_block(model, layer, x, positions, valid, state,
+                                                    start, n_new, capture, check_finite)
         new_states.append(state)
         captures.append(cap)
         routings.append(routing)
+        nonfinite.append(bad)
     if logits == "all":
         out = unembed(model, x)
     elif logits == "last":
@@ -200,5 +247,9 @@ def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | No
         out = unembed(model, x[jnp.arange(b), last])
     else:
         out = None
+    first_bad = None
+    if check_finite:
+        bad = jnp.stack(nonfinite)  # [L, B]
+        first_bad = jnp.where(bad.any(0), jnp.argmax(bad, 0), -1).astype(jnp.int32)
     return ForwardOutput(out, None if cache_states is None else tuple(new_states),
-                         tuple(captures) if capture else None, tuple(routings))
+                         tuple(captures) if capture else None, tuple(routings), first_bad)

@@ -36,6 +36,19 @@ PRE_TOKENIZERS = {
 }
 
 
+
+def check_unicode(text: str, name: str) -> None:
+    """ValueError naming `name` when `text` holds lone surrogates: what Python makes of
+    non-UTF-8 bytes (command-line arguments, files read with errors="surrogateescape")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        origin = (f"byte {ord(ch) - 0xDC00:#04x} of non-UTF-8 input"
+                  if 0xDC80 <= ord(ch) <= 0xDCFF else "a lone surrogate")
+        raise ValueError(f"{name} is not valid UTF-8 text: character {e.start} is {origin} "
+                         f"({ch!r}); expected UTF-8") from None
+
 class Tokenizer:
     def __init__(self, tokens: Sequence[str], merges: Sequence[str],
                  token_types: Sequence[int], *, pre: str, bos_id: int | None,
@@ -66,6 +79,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
+        check_unicode(text, "text")
         self._tok.encode_special_tokens = not parse_special
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids

@@ -11,13 +11,18 @@ a small coefficient keeps real skew in the router.
 Fault tolerance: every `ckpt_every` steps the params, optimizer state, step and loss
 history are saved (orbax, atomic). `train` resumes from the latest checkpoint in
 `ckpt_dir`; batches are a pure function of (seed, step), so a killed and resumed run ends
-with exactly the params of an uninterrupted one.
+with exactly the params of an uninterrupted one. Each checkpoint carries a SHA-256 digest
+of its arrays and loss history; a checkpoint that does not restore or does not match its
+digest (truncated, bit-flipped, missing files) is moved aside to `damaged_step_<n>` with
+a warning naming it, and training resumes from the newest readable step (or from scratch).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -141,26 +146,82 @@ def _manager(ckpt_dir: Path, tc: TrainConfig) -> ocp.CheckpointManager:
         max_to_keep=2, save_interval_steps=tc.ckpt_every))
 
 
+def _digest(state, meta: dict) -> str:
+    """SHA-256 of every array (path, dtype, shape, bytes) and of the JSON metadata."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]:
+        a = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "digest"},
+                        sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def _save(mngr, step, params, opt_state, losses, aux_losses, tc) -> None:
     state = {"params": params, "opt_state": opt_state}
     # Copies: orbax saves asynchronously and the caller keeps appending to these lists.
     meta = {"config": dataclasses.asdict(tc), "losses": list(losses),
             "aux_losses": list(aux_losses)}
+    meta["digest"] = _digest(state, meta)
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                             meta=ocp.args.JsonSave(meta)))
 
 
-def _restore(mngr, abstract_state, tc: TrainConfig):
-    step = mngr.latest_step()
-    if step is None:
-        return None
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    saved = restored.meta["config"]
+class _Damaged(Exception):
+    pass
+
+
+def _restore_step(mngr, step: int, abstract_state, tc: TrainConfig):
+    """(step, state, losses, aux_losses) of one checkpoint; _Damaged if it is unreadable or
+    fails its digest, ValueError if it is intact but from another config."""
+    state_dir = Path(mngr.directory) / str(step) / "state"
+    if any(state_dir.glob("ocdbt.process_*")) and not (state_dir / "manifest.ocdbt").is_file():
+        # checked here: orbax would fail too, but noisily, from its background threads
+        raise _Damaged("its OCDBT manifest state/manifest.ocdbt is missing")
+    try:
+        restored = mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        meta = dict(restored.meta)
+        saved, losses, aux_losses = meta["config"], meta["losses"], meta["aux_losses"]
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+        raise _Damaged(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+    # Checkpoints written before digests existed have none: restorable is all we can check.
+    if "digest" in meta and meta["digest"] != _digest(restored.state, meta):
+        raise _Damaged("its arrays or loss history do not match the saved SHA-256 digest")
     if saved != json.loads(json.dumps(dataclasses.asdict(tc))):
         raise ValueError(f"checkpoint at step {step} was trained with a different config: "
                          f"{saved} vs {dataclasses.asdict(tc)}; use a fresh ckpt_dir")
-    return step, restored.state, restored.meta["losses"], restored.meta["aux_losses"]
+    return step, restored.state, losses, aux_losses
+
+
+def _restore(ckpt_dir: Path, abstract_state, tc: TrainConfig):
+    """(manager, newest readable checkpoint or None). Damaged newer steps are moved aside
+    to `damaged_step_<n>` (so this run can write those steps again), each with a warning."""
+    mngr = _manager(ckpt_dir, tc)
+    restored, damaged = None, []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            restored = _restore_step(mngr, step, abstract_state, tc)
+            break
+        except _Damaged as e:
+            damaged.append(step)
+            warnings.warn(f"MoE checkpoint step {step} in {ckpt_dir} is damaged ({e}); "
+                          f"moving it to damaged_step_{step} and falling back to an older "
+                          "step", RuntimeWarning, stacklevel=3)
+    if damaged:
+        mngr.close()
+        for step in damaged:
+            aside = ckpt_dir / f"damaged_step_{step}"
+            n = 1
+            while aside.exists():
+                aside, n = ckpt_dir / f"damaged_step_{step}.{n}", n + 1
+            (ckpt_dir / str(step)).rename(aside)
+        if restored is None:
+            warnings.warn(f"no readable MoE checkpoint in {ckpt_dir}: training from scratch",
+                          RuntimeWarning, stacklevel=3)
+        mngr = _manager(ckpt_dir, tc)
+    return mngr, restored
 
 
 def train(tc: TrainConfig, ckpt_dir: str | Path, *, stop_after: int | None = None,
@@ -173,8 +234,7 @@ def train(tc: TrainConfig, ckpt_dir: str | Path, *, stop_after: int | None = Non
     optimizer = make_optimizer(tc)
     params = init_train_params(config, tc.seed)
     opt_state = optimizer.init(params)
-    mngr = _manager(Path(ckpt_dir), tc)
-    restored = _restore(mngr, {"params": params, "opt_state": opt_state}, tc)
+    mngr, restored = _restore(Path(ckpt_dir), {"params": params, "opt_state": opt_state}, tc)
     start, losses, aux_losses = 0, [], []
     if restored is not None:
         start, state, losses, aux_losses = restored

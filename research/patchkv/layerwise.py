@@ -2,8 +2,8 @@
 
 Fitting layer l's patch on the model that layers < l already patched needs the hidden
 states between layers; `layer_view(model, l)` is a one-layer Model sharing layer l's
-params and cache, so every layer runs through the same compiled program (the core block,
-`research.model.llama._block`, unchanged).
+params and cache, so every layer runs through the same compiled program (the model's own
+public block, `research.model.llama.decoder_block`, unchanged).
 """
 from __future__ import annotations
 
@@ -37,9 +37,8 @@ def run_layer(view: Model, x: Float[Array, "B T D"], start: Int[Array, "B"],
     t = x.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < n_new[:, None]
-    x_out, _, captured, _ = llama._block(view, 0, x, positions, valid, state, start, n_new,
-                                         True)
-    return x_out, captured
+    out = llama.decoder_block(view, 0, x, positions, valid, state, start, n_new, capture=True)
+    return out.x, out.captured
 
 
 def embed(model: Model, tokens) -> Array:
@@ -63,9 +62,9 @@ def finish_layer(view: Model, x: Float[Array, "B T D"], attn: Float[Array, "B T 
                  wo: Float[Array, "HD D"]) -> Array:
     """The rest of the block after attention, with output projection `wo`: what
     `run_layer` returns for the same x and attention output, without recomputing
-    attention (mirrors `llama._block`; a test checks they agree)."""
+    attention (mirrors `llama.decoder_block`; a test checks they agree)."""
     c, p = view.config, view.params["layers"][0]
     x = x + attn @ wo.astype(x.dtype)
     h2 = layers.rms_norm(x, p["ffn_norm"], c.norm_eps)
-    ffn_out, _ = llama._ffn(c, 0, p, h2)
+    ffn_out, _ = llama.feed_forward(c, 0, p, h2)
     return x + ffn_out

@@ -115,11 +115,11 @@ def generated_rows(reference: Model, states: tuple, last_logits, length_of_conte
     """`n` sampled continuations [n, length] of one prefilled context (batch-1 states)."""
     index = np.zeros(n, np.int32)
     lengths = jnp.full((n,), length_of_context, jnp.int32)
-    out, _, _, _, _ = gen.decode_loop(reference, jnp.take(last_logits, index, axis=0),
-                                      lengths, tile_states(states, index), key,
-                                      max_new_tokens=length, sampling=sampling,
-                                      stop_tokens=())
-    return np.asarray(out, np.int32)
+    decoded = gen.decode_loop(reference, jnp.take(last_logits, index, axis=0), lengths,
+                              tile_states(states, index), key, max_new_tokens=length,
+                              sampling=sampling, stop_tokens=())
+    gen.raise_if_nonfinite(decoded, reference.config.n_layers)
+    return np.asarray(decoded.tokens, np.int32)
 
 
 def reply_rows(reference: Model, states: tuple, length_of_context: int, prefix,

@@ -161,11 +161,12 @@ def answer_queries(model: Model, ctx: ContextCache, queries: Sequence[Sequence[i
     start = jnp.full((q,), ctx.length, jnp.int32)
     logits, states = append_queries(model, jnp.asarray(tokens), start, jnp.asarray(lengths),
                                      states)
-    out, n_out, done, _, _ = gen.decode_loop(
+    decoded = gen.decode_loop(
         model, logits, start + jnp.asarray(lengths), states, jax.random.key(0),
         max_new_tokens=max_new_tokens, sampling=gen.SamplingConfig(),
         stop_tokens=tuple(int(t) for t in stop_tokens))
-    out, n_out, done = np.asarray(out), np.asarray(n_out), np.asarray(done)
+    gen.raise_if_nonfinite(decoded, model.config.n_layers)
+    out, n_out, done = (np.asarray(a) for a in decoded[:3])
     return [list(map(int, out[i, :n_out[i] - int(done[i])])) for i in range(q)]
 
 

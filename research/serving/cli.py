@@ -22,6 +22,13 @@ def main(argv):
     del argv
     import jax
 
+    from research.model.tokenizer import check_unicode
+    for i, prompt in enumerate(_PROMPT.value, 1):
+        try:
+            check_unicode(prompt, f"--prompt #{i}")
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+
     from research.model import load
     from research.serving.generate import generate_text
     from research.serving.sampling import SamplingConfig

@@ -4,6 +4,10 @@ Prompts of different lengths are right-padded into one [B, T] chunk; each row ke
 own length, so row b's next token is written at position `lengths[b]`. The decode loop is
 a `lax.while_loop` (no host round-trip per token) that ends when every row has hit a stop
 token or `max_new_tokens`.
+
+NaN/inf never turn into tokens silently: the loop checks every step's K/V, layer outputs
+and logits on device (a few reductions), stops at the first non-finite value, and
+`generate` raises a ValueError naming the layer it first appeared in.
 """
 from __future__ import annotations
 
@@ -24,6 +28,22 @@ class Generation(NamedTuple):
     tokens: list[list[int]]  # generated ids per row, stop token excluded
     finish_reasons: list[str]  # "stop" or "length"
     prompt_lengths: list[int]
+
+
+class Decoded(NamedTuple):
+    """What `decode_loop` returns (arrays on device)."""
+
+    tokens: jax.Array  # [B, max_new_tokens], 0 after a row's stop
+    n_out: jax.Array  # [B] tokens per row, the stop token included
+    done: jax.Array  # [B] the row hit a stop token
+    lengths: jax.Array  # [B] cache lengths after the loop
+    cache_states: tuple
+    # [B] int32, -1 while finite: the step whose logits came out NaN/inf (0 = the first
+    # logits, from the prefill) and the first layer whose K/V or output did (n_layers =
+    # only the logits: final norm / LM head; at step 0 the prefill's layer is not known
+    # here, `generate` checks the prefill itself). The loop stops at the first such step.
+    nonfinite_step: jax.Array
+    nonfinite_layer: jax.Array
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -57,6 +77,14 @@ def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, cache_states: t
 
 
 @jax.jit
+def _prefill_checked(model: Model, tokens: jax.Array, lengths: jax.Array, cache_states: tuple):
+    """`prefill` plus per row the first layer with non-finite K/V or output (-1: none)."""
+    out = forward(model, tokens, cache_states=cache_states, n_new=lengths, logits="last",
+                  check_finite=True)
+    return out.logits, out.cache_states, out.nonfinite_layer
+
+
+@jax.jit
 def decode_step(model: Model, tokens: jax.Array, lengths: jax.Array, active: jax.Array,
                 cache_states: tuple):
     """One token per row at position lengths[b]; inactive rows write nothing."""
@@ -69,37 +97,75 @@ def decode_step(model: Model, tokens: jax.Array, lengths: jax.Array, active: jax
 def decode_loop(model, first_logits, lengths, cache_states, key, *, max_new_tokens,
                 sampling, stop_tokens):
     """Sample up to `max_new_tokens` per row from prefilled `cache_states`, the first from
-    `first_logits` [b, V]; a row stops at a stop token (later slots hold 0).
-    Returns (tokens [b, max_new_tokens], tokens per row with the stop token, done,
-    lengths, states)."""
+    `first_logits` [b, V]; a row stops at a stop token (later slots hold 0), every row
+    at the first non-finite logits / K/V / layer output (see `Decoded`; callers raise
+    with `raise_if_nonfinite`)."""
     b = lengths.shape[0]
+    n_layers = model.config.n_layers
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
 
     def pick(logits, step, done):
         tok = sample(logits, jax.random.fold_in(key, step), sampling)
         return jnp.where(done, 0, tok), done | jnp.isin(tok, stops)
 
+    def flag(logits, layer, step, active, bad_step, bad_layer):
+        """Record (step, layer) for active rows that just went non-finite."""
+        layer = jnp.where(layer >= 0, layer, n_layers)
+        new = active & (bad_step < 0) & ((layer < n_layers) | ~jnp.isfinite(logits).all(-1))
+        return jnp.where(new, step, bad_step), jnp.where(new, layer, bad_layer)
+
+    none = jnp.full((b,), -1, jnp.int32)
+    bad_step0, bad_layer0 = flag(first_logits, none, 0, jnp.ones((b,), bool), none, none)
     tok0, done0 = pick(first_logits, 0, jnp.zeros((b,), bool))
     out0 = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok0)
     n_out0 = jnp.ones((b,), jnp.int32)
 
     def cond(carry):
-        step, _, _, done, _, _ = carry
-        return (step < max_new_tokens) & ~jnp.all(done)
+        step, _, _, done, _, _, bad_step, _ = carry
+        return (step < max_new_tokens) & ~jnp.all(done) & jnp.all(bad_step < 0)
 
     def body(carry):
-        step, out, n_out, done, lens, states = carry
+        step, out, n_out, done, lens, states, bad_step, bad_layer = carry
         active = ~done
-        logits, states = decode_step(model, out[:, step - 1], lens, active, states)
-        tok, new_done = pick(logits, step, done)
+        fwd = forward(model, out[:, step - 1][:, None], cache_states=states, start=lens,
+                      n_new=active.astype(jnp.int32), logits="last", check_finite=True)
+        bad_step, bad_layer = flag(fwd.logits, fwd.nonfinite_layer, step, active, bad_step,
+                                   bad_layer)
+        tok, new_done = pick(fwd.logits, step, done)
         out = out.at[:, step].set(tok)
         lens = lens + active
         n_out = n_out + active
-        return step + 1, out, n_out, new_done, lens, states
+        return step + 1, out, n_out, new_done, lens, fwd.cache_states, bad_step, bad_layer
 
-    carry = (jnp.int32(1), out0, n_out0, done0, lengths, cache_states)
-    _, out, n_out, done, lens, states = jax.lax.while_loop(cond, body, carry)
-    return out, n_out, done, lens, states
+    carry = (jnp.int32(1), out0, n_out0, done0, lengths, cache_states, bad_step0, bad_layer0)
+    _, out, n_out, done, lens, states, bad_step, bad_layer = jax.lax.while_loop(
+        cond, body, carry)
+    return Decoded(out, n_out, done, lens, states, bad_step, bad_layer)
+
+
+def raise_if_nonfinite(decoded: Decoded, n_layers: int, prefill_layer=None) -> None:
+    """ValueError naming where NaN/inf first appeared, if anywhere: the prefill's layer
+    (`prefill_layer` [B] from `forward(check_finite=True)`, -1 = finite) or the decode
+    step and layer `decode_loop` recorded."""
+    steps, layers = np.asarray(decoded.nonfinite_step), np.asarray(decoded.nonfinite_layer)
+    pre = None if prefill_layer is None else np.asarray(prefill_layer)
+    if pre is not None and (pre >= 0).any():
+        row = int(np.argmax(pre >= 0))
+        where, layer = "the prefill (the prompt)", int(pre[row])
+    elif (steps >= 0).any():
+        row = int(np.argmax(steps >= 0))
+        step, layer = int(steps[row]), int(layers[row])
+        where = "the prefill (the prompt)" if step == 0 else f"decode step {step}"
+    else:
+        return
+    if layer >= n_layers:
+        raise ValueError(f"non-finite logits (NaN/inf) at {where}, row {row}, although every "
+                         "layer's K/V and output were finite: check the final norm and the "
+                         "LM head (params['final_norm'], params['lm_head'] or the tied "
+                         "params['embed'])")
+    raise ValueError(f"non-finite values (NaN/inf) first appeared in layer {layer} (its K/V "
+                     f"or its output) at {where}, row {row}: check params['layers'][{layer}] "
+                     "and that layer's KV cache")
 
 
 def prepare_prompts(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -133,15 +199,18 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
 
     max_len: cache length per sequence; default = longest prompt + max_new_tokens rounded
     up. A prompt that does not fit (prompt + max_new_tokens > max_len) is an error.
+    NaN/inf in the K/V, a layer's output or the logits is a ValueError naming the layer.
     """
     key, tokens, lengths, max_len = prepare_prompts(model, prompts, max_new_tokens, key,
                                                     sampling, max_len)
     states = model.init_cache(len(prompts), max_len)
-    logits, states = prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), states)
-    out, n_out, done, _, _ = decode_loop(
+    logits, states, bad = _prefill_checked(model, jnp.asarray(tokens), jnp.asarray(lengths),
+                                           states)
+    decoded = decode_loop(
         model, logits, jnp.asarray(lengths), states, key, max_new_tokens=max_new_tokens,
         sampling=sampling, stop_tokens=tuple(int(t) for t in stop_tokens))
-    out, n_out, done = np.asarray(out), np.asarray(n_out), np.asarray(done)
+    raise_if_nonfinite(decoded, model.config.n_layers, bad)
+    out, n_out, done = (np.asarray(a) for a in decoded[:3])
     rows = [list(map(int, out[i, :n_out[i] - int(done[i])])) for i in range(len(prompts))]
     reasons = ["stop" if d else "length" for d in done]
     return Generation(rows, reasons, lengths.tolist())

@@ -9,14 +9,15 @@ so load drift on a shared machine hits every k alike, and reports medians.
 """
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from research.core.timing import time_interleaved
 from research.model.llama import Model
 from research.serving.generate import prefill
 from research.serving.sampling import SamplingConfig
@@ -57,17 +58,18 @@ def measure_step_costs(model: Model, drafter: Drafter, draft_lengths: Sequence[i
                        jnp.ones((batch,), bool))
     fns = {k: jax.jit(_verify_branch(k, target=model, drafter=drafter, sampling=sampling,
                                      max_draft=max(ks)), donate_argnums=(0,)) for k in ks}
-    times = {k: [] for k in ks}
     key = jax.random.key(seed)
-    for r in range(repeats + 1):  # round 0 compiles and warms up
-        for k in ks:
-            t0 = time.perf_counter()
-            out = fns[k](caches, dstate, ctx, jnp.full((batch,), k, jnp.int32), key)
-            jax.block_until_ready(out)
-            if r:
-                times[k].append(time.perf_counter() - t0)
-            caches = out.caches
-    med = [statistics.median(times[k]) for k in ks]
+    box = [caches]  # the donated cache buffers pass from step to step, as in the loop
+
+    def step(k):
+        out = fns[k](box[0], dstate, ctx, jnp.full((batch,), k, jnp.int32), key)
+        box[0] = out.caches
+        return out
+
+    # one warm-up round compiles every branch
+    times = time_interleaved({k: functools.partial(step, k) for k in ks}, warmup=1,
+                             repeats=repeats)
+    med = [statistics.median(times[k]["wall_s"]) for k in ks]
     rel = [m / med[0] for m in med]
     return {"k": list(ks), "median_s": med, "relative": rel,
             "linear_fit": linear_cost_fit(ks, rel), "batch": batch, "max_len": max_len}

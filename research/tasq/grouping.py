@@ -88,7 +88,3 @@ def covariance_grouping(cov: np.ndarray, group_size: int, units: list[tuple[int,
         members[ga[best]], members[gb[best]] = new_a[best], new_b[best]
     groups = [np.sort(unit_ch[np.sort(m)].reshape(-1)) for m in members]
     return np.concatenate(groups).astype(np.int32)
-
-
-def identity_grouping(head_dim: int) -> np.ndarray:
-    return np.arange(head_dim, dtype=np.int32)

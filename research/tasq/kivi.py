@@ -153,13 +153,3 @@ class KIVIKVCache(KVCache):
     def describe(self):
         return (f"kivi[{self.bits}b, key_group={self.key_group}, value_group="
                 f"{self.value_group}, residual={self.residual}]")
-
-
-def kivi_bits_per_channel(bits: int, key_group: int, value_group: int, residual: int,
-                          context: int, residual_bits: int = 16) -> float:
-    """Analytic bits/channel (codes + f16 scale/zero + ring amortised); tests check it against
-    the real state arrays."""
-    keys = bits + 32 / key_group
-    vals = bits + 32 / value_group
-    ring = 2 * residual * residual_bits / context
-    return float(np.round((keys + vals + ring) / 2, 6))

@@ -12,7 +12,6 @@ Calibration (through the real model, calibration text only):
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +202,3 @@ def plain_vq(bits: int = 1, **overrides) -> Transform:
     cfg = TaSQConfig(bits=bits, query_weighting=False, head_normalization=False,
                      channel_grouping=False, share_codebooks=False, **overrides)
     return tasq(cfg, label="vq")
-
-
-def with_config(config: TaSQConfig, **changes) -> TaSQConfig:
-    return dataclasses.replace(config, **changes)

@@ -56,10 +56,26 @@ def test_baseline_runs_and_is_reproducible(tmp_path, tiny_gguf):
     assert "| float32 |" in (tmp_path / "w0" / "baseline_small" / "table.md").read_text()
 
 
-def test_unknown_config_key_is_an_error(tmp_path, tiny_gguf):
-    proc = _run(tmp_path, "--config.no_such_key=1")
+def test_unknown_config_key_is_a_one_line_error(tmp_path):
+    proc = _run(tmp_path, "--config.ppl.windo=1")
     assert proc.returncode != 0
-    assert "no_such_key" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "ppl.windo" in ln]
+    assert len(lines) == 1 and "did you mean 'ppl.window'" in lines[0], proc.stderr[-2000:]
+
+
+def test_unknown_override_names_the_key_and_close_matches():
+    from ml_collections import ConfigDict
+    from experiments.run import unknown_override
+    config = ConfigDict({"seed": 0, "ppl": {"window": 128, "stride": 64}})
+    assert unknown_override(config, ["run", "--config=x.py", "--config.ppl.window=3",
+                                     "--workdir=w"]) is None
+    msg = unknown_override(config, ["--config.ppl.windo=3"])
+    assert "'ppl.windo'" in msg and "did you mean 'ppl.window'?" in msg
+    msg = unknown_override(config, ["--config.zzz=1"])
+    assert "'zzz'" in msg and "the config has ppl, seed" in msg
+    msg = unknown_override(config, ["--config.ppl.window.x=1"])
+    assert "ppl.window is a leaf of type int" in msg
 
 
 def test_bad_config_arg_is_an_error(tmp_path):

@@ -206,3 +206,23 @@ def test_layer_with_grouped_matmul_kernels(mesh, matmul):
     np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=2e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(capacity=1.25), "capacity"), (dict(capacity="8"), "capacity"),
+    (dict(n_experts=16.0), "n_experts"), (dict(top_k=True), "top_k"),
+    (dict(replica_slots=0.5), "replica_slots"), (dict(min_replica_tokens=None),
+                                                 "min_replica_tokens"),
+    (dict(renormalize="yes"), "renormalize"), (dict(transport=None), "transport"),
+    (dict(matmul="xla"), "matmul"), (dict(axis_name=""), "axis_name")])
+def test_ep_config_field_types_are_checked_up_front(kwargs, field):
+    args = dict(n_experts=16, top_k=2)
+    args.update(kwargs)
+    with pytest.raises(TypeError, match=rf"EPConfig\.{field} must be"):
+        EPConfig(**args)
+
+
+def test_ep_config_takes_numpy_ints_as_ints():
+    cfg = EPConfig(np.int64(16), np.int32(2), capacity=np.int64(8))
+    assert type(cfg.n_experts) is int and type(cfg.capacity) is int
+    assert cfg == EPConfig(16, 2, capacity=8) and hash(cfg) == hash(EPConfig(16, 2, capacity=8))

@@ -38,6 +38,11 @@ def test_f32_round_trip(tmp_path, tied):
                                           norm_eps=model.config.norm_eps)
     _assert_params_equal(model.params, params, rtol=0, atol=0)
     assert tok.decode(tok.encode("the thin tin")) == "the thin tin"
+    if tied:  # non-UTF-8 input (lone surrogates) is named, not a tokenizers TypeError
+        bad = b"thin \xff tin".decode("utf-8", "surrogateescape")
+        with pytest.raises(ValueError, match=r"text is not valid UTF-8 text: character 5 is "
+                                             r"byte 0xff of non-UTF-8 input"):
+            tok.encode(bad)
 
 
 def test_moe_round_trip(tmp_path):

@@ -163,3 +163,57 @@ def test_interleaved_attention_config():
     c = tiny_config(n_layers=8).with_interleaved_attention(window=16, globals_every=4)
     assert c.layer_kinds == ("sliding",) * 3 + ("global",) + ("sliding",) * 3 + ("global",)
     assert c.window(0) == 16 and c.window(3) is None
+
+
+def test_decoder_block_and_feed_forward_rebuild_forward():
+    """The public per-layer hooks, chained by hand, are `forward` (MoE layer included)."""
+    from research.model.llama import decoder_block, feed_forward, unembed
+    model = _model(moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=16), moe_layers=(1,))
+    tokens = _tokens(3, 2, 7)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = jnp.ones((b, t), bool)
+    x = model.params["embed"][tokens]
+    for layer in range(model.config.n_layers):
+        out = decoder_block(model, layer, x, positions, valid, None, None, None, capture=True)
+        p = model.params["layers"][layer]
+        mid = x + out.captured["attn"] @ p["wo"]
+        ffn, routing = feed_forward(model.config, layer, p,
+                                    layers.rms_norm(mid, p["ffn_norm"], model.config.norm_eps))
+        np.testing.assert_allclose(mid + ffn, out.x, atol=ATOL)
+        assert (routing is None) == (layer == 0)
+        x = out.x
+    np.testing.assert_allclose(unembed(model, x), forward(model, tokens).logits, atol=ATOL)
+
+
+@pytest.mark.parametrize("weight, layer, expected", [
+    (None, 0, -1), ("wk", 1, 1), ("wv", 0, 0), ("w_down", 0, 0)])
+def test_check_finite_names_the_first_nonfinite_layer(weight, layer, expected):
+    model = _model()
+    if weight is not None:
+        params = jax.tree.map(lambda a: a, model.params)
+        lp = dict(params["layers"][layer])
+        lp[weight] = lp[weight].at[0, 0].set(jnp.nan)
+        params["layers"] = tuple(lp if i == layer else q
+                                 for i, q in enumerate(params["layers"]))
+        model = model.replace(params=params)
+    tokens = _tokens(4, 2, 6)
+    # row 1 is one token long: its padding never counts (the NaN is at token 0 either way)
+    out = forward(model, tokens, cache_states=model.init_cache(2, 8),
+                  n_new=jnp.array([6, 1], jnp.int32), check_finite=True)
+    np.testing.assert_array_equal(out.nonfinite_layer, [expected, expected])
+    assert forward(model, tokens).nonfinite_layer is None
+
+
+def test_check_finite_ignores_padding():
+    model = _model()
+    model = model.replace(params={**model.params,
+                                  "embed": model.params["embed"].at[0].set(jnp.nan)})
+    tokens = jnp.array([[5, 6, 7, 0], [8, 9, 0, 0]], jnp.int32)  # id 0 only as padding
+    out = forward(model, tokens, cache_states=model.init_cache(2, 8),
+                  n_new=jnp.array([3, 2], jnp.int32), check_finite=True, logits="last")
+    np.testing.assert_array_equal(out.nonfinite_layer, [-1, -1])
+    # the tied LM head still scores token 0 with its NaN embedding: only that column
+    assert np.isfinite(out.logits[:, 1:]).all() and np.isnan(out.logits[:, 0]).all()
+    real = forward(model, tokens, cache_states=model.init_cache(2, 8), check_finite=True)
+    np.testing.assert_array_equal(real.nonfinite_layer, [0, 0])

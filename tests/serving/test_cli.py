@@ -23,3 +23,13 @@ def test_cli_generates_and_is_seeded(tmp_path):
     assert runs[0].returncode == 0, runs[0].stderr[-2000:]
     assert "### the\n" in runs[0].stdout and "### thin tin\n" in runs[0].stdout
     assert runs[0].stdout == runs[1].stdout
+
+
+def test_cli_names_a_non_utf8_prompt(tmp_path):
+    cmd = [sys.executable.encode(), b"-m", b"research.serving.cli", b"--gguf=unused.gguf",
+           b"--prompt=fine", b"--prompt=caf\xe9"]  # latin-1 bytes on the command line
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert "--prompt #2 is not valid UTF-8 text: character 3 is byte 0xe9" in proc.stderr

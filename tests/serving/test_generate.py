@@ -98,3 +98,40 @@ def test_real_model_answers(smollm2):
     model, tok = smollm2
     out = generate_text(model, tok, ["What is the capital of France?"], max_new_tokens=12)
     assert "Paris" in out[0]
+
+
+def _poisoned(model, **where):
+    """A copy of `model` with params[...] NaN: where = {"layer": l, "name": "wk"} or
+    {"name": "final_norm"} or {"name": "embed", "row": id}."""
+    params = dict(model.params)
+    name = where["name"]
+    if "layer" in where:
+        layer = dict(params["layers"][where["layer"]])
+        layer[name] = layer[name].at[0].set(jnp.nan)
+        params["layers"] = tuple(layer if i == where["layer"] else p
+                                 for i, p in enumerate(params["layers"]))
+    else:
+        params[name] = params[name].at[where.get("row", 0)].set(jnp.nan)
+    return model.replace(params=params)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_nan_weights_in_a_layer_are_an_error_naming_it(tiny, layer):
+    with pytest.raises(ValueError, match=rf"layer {layer} .*prefill"):
+        generate(_poisoned(tiny, layer=layer, name="wk"), [[5, 9, 13], [3, 3]],
+                 max_new_tokens=4)
+
+
+def test_nan_first_met_while_decoding_names_the_step_and_layer():
+    from research.model import init_params, make_model, tiny_config
+    config = tiny_config(tie_embeddings=False)
+    model = make_model(config, init_params(config, jax.random.key(0)))
+    first = generate(model, [[5, 9, 13]], max_new_tokens=3).tokens[0]
+    bad = _poisoned(model, name="embed", row=first[0])  # the first generated token's input
+    with pytest.raises(ValueError, match=r"layer 0 .*decode step 1, row 0"):
+        generate(bad, [[5, 9, 13]], max_new_tokens=3)
+
+
+def test_nan_logits_with_finite_layers_blame_the_head(tiny):
+    with pytest.raises(ValueError, match="final norm and the LM head"):
+        generate(_poisoned(tiny, name="final_norm"), [[5, 9, 13]], max_new_tokens=3)

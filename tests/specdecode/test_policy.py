@@ -69,3 +69,13 @@ def test_policy_validation_and_cost_fit():
                                (1.0, 1.2))
     np.testing.assert_allclose(linear_cost_fit([0, 1, 2], [1.0, 1.1, 1.2]), [1.0, 1.1, 1.2])
     np.testing.assert_allclose(linear_cost_fit([0, 2], [1.0, 0.8]), [1.0, 1.0])  # slope >= 0
+
+
+def test_measure_step_costs_times_every_draft_length(tiny):
+    from research.specdecode import prompt_lookup
+    from research.specdecode.costs import measure_step_costs
+    out = measure_step_costs(tiny, prompt_lookup(), (0, 2), max_len=32, repeats=2)
+    assert out["k"] == [0, 2]
+    assert all(s > 0 for s in out["median_s"])
+    assert out["relative"][0] == 1.0
+    assert len(out["linear_fit"]) == 2
