@@ -23,10 +23,6 @@ GENERATORS = ("scripts/make_notebooks.py", "experiments/*/make_notebook.py")
 # Known violations another change is removing (each with who fixes it); the last test
 # fails once one is gone, so the entry is dropped with the fix.
 PENDING = {
-    ("research/patchkv/layerwise.py", "research.model.llama._block"):
-        "llama's _block / _ffn become public (block / ffn) in another branch",
-    ("research/patchkv/layerwise.py", "research.model.llama._ffn"):
-        "llama's _block / _ffn become public (block / ffn) in another branch",
     ("scripts/gpu_check.py", "kernels_pallas.grouped_matmul.kernel._compiler_params"):
         "the kernels branch owns kernels_pallas/grouped_matmul",
 }
