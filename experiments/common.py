@@ -125,16 +125,23 @@ def write_results(report: Report, out_dir: Path, config_dict: dict, seed: int,
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=_jsonable))
     (out_dir / "table.md").write_text(render_markdown(report))
     if report.plot is not None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=(7, 4.5))
-        report.plot(fig)
-        unlabeled = label_axes(fig, report.columns)
+        save_plot(report.plot, report.columns, out_dir / "plot.png")
+
+
+def save_plot(plot: Callable[[Any], None], columns: Sequence[str], path: Path) -> None:
+    """Draw `plot` on a fresh figure, fill missing axis labels (label_axes), save a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = plt.figure(figsize=(7, 4.5))
+    try:
+        plot(fig)
+        unlabeled = label_axes(fig, columns)
         if unlabeled:
             print(f"warning: plot axes without an x or y label: {unlabeled}", file=sys.stderr)
         fig.tight_layout()
-        fig.savefig(out_dir / "plot.png", dpi=110)
+        fig.savefig(path, dpi=110)
+    finally:
         plt.close(fig)
 
 
@@ -167,7 +174,30 @@ def label_axes(fig, columns: Sequence[str] = ()) -> list[str]:
                 ax.tick_params(axis=name, which="both", labelsize=MIN_TICK_FONTSIZE)
         if not ax.get_xlabel() or not ax.get_ylabel():
             missing.append(ax.get_title() or f"axes {i}")
+    _unclutter_xticks(fig)
     return missing
+
+
+def _unclutter_xticks(fig) -> None:
+    """Slant text tick labels that overlap their neighbours (30, 45, 60, then 90 degrees,
+    anchored at their tick) until they no longer do."""
+    renderer = fig.canvas.get_renderer()
+
+    def overlapping(labels):
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        return any(a.overlaps(b) for a, b in zip(boxes, boxes[1:]))
+
+    fig.canvas.draw()
+    for ax in fig.axes:
+        labels = [t for t in ax.get_xticklabels() if t.get_text()]
+        for angle in (30, 45, 60, 90):
+            if not overlapping(labels):
+                break
+            for t in labels:
+                t.set_rotation(max(angle, t.get_rotation() % 180))
+                t.set_horizontalalignment("center" if angle == 90 else "right")
+                t.set_multialignment("center" if angle == 90 else "right")
+                t.set_rotation_mode("anchor" if angle < 90 else "default")
 
 
 def _text_ticks(axis) -> bool:
