@@ -113,6 +113,25 @@ def test_label_axes_fills_missing_labels_and_small_ticks():
     plt.close(fig2)
 
 
+def test_label_axes_slants_overlapping_tick_labels():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = plt.figure(figsize=(3, 3))
+    ax = fig.add_subplot(1, 1, 1)
+    names = [f"a rather long category name {i}" for i in range(6)]
+    ax.bar(range(6), range(6))
+    ax.set_xticks(range(6), names)
+    ax.set_xlabel("category")
+    ax.set_ylabel("value")
+    assert common.label_axes(fig) == []
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.get_xticklabels()]
+    assert all(t.get_rotation() > 0 for t in ax.get_xticklabels())
+    assert not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:]))
+    plt.close(fig)
+
+
 def test_gitignore_commits_only_result_files(tmp_path):
     paths = ["results/run/results.json", "results/run/table.md", "results/run/plot.png",
              "results/run/ckpt/state.npz", "results/run/traces.npz",
