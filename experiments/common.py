@@ -6,6 +6,7 @@ import dataclasses
 import importlib.metadata
 import json
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -41,6 +42,42 @@ def versions() -> dict:
     return out
 
 
+# Result files the repository commits (.gitignore un-ignores exactly these under results/);
+# anything else an experiment writes into out_dir (checkpoints, traces) stays ignored.
+COMMITTED_FILES = ("results.json", "table.md", "plot.png")
+REQUIRED_KEYS = ("config", "seed", "versions", "git", "command", "elapsed_s")
+MAX_DIRTY_PATHS = 50
+
+
+def git_state(repo: str | Path | None = None) -> dict:
+    """The commit a run's code came from and whether the tree differed from it.
+
+    Returns {"commit": sha or None, "dirty": bool or None, "dirty_count": int,
+    "dirty_paths": first MAX_DIRTY_PATHS `git status --porcelain` paths}. Paths under
+    results/ are outputs, not inputs, and are not counted. Outside a git checkout (or
+    without git) commit and dirty are None and "error" says why.
+    """
+    repo = Path(repo) if repo is not None else Path(__file__).resolve().parents[1]
+    if not repo.is_dir():
+        raise ValueError(f"repo must be an existing directory, got {str(repo)!r}")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain", "--untracked-files=all", "--",
+                     ".", ":(exclude)results")
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", None) or str(e)
+        return {"commit": None, "dirty": None, "dirty_count": 0, "dirty_paths": [],
+                "error": err.strip()[:500]}
+    paths = [line[3:] for line in status.splitlines() if line.strip()]
+    return {"commit": commit, "dirty": bool(paths), "dirty_count": len(paths),
+            "dirty_paths": paths[:MAX_DIRTY_PATHS]}
+
+
 def fmt(x) -> str:
     if isinstance(x, float):
         if x != x:
@@ -69,24 +106,112 @@ def render_markdown(report: Report) -> str:
 
 
 def write_results(report: Report, out_dir: Path, config_dict: dict, seed: int,
-                  argv: Sequence[str], elapsed_s: float) -> None:
+                  argv: Sequence[str], elapsed_s: float, git: dict | None = None) -> None:
+    """Write results.json (with config, seed, versions, git state, command, elapsed),
+    table.md and plot.png into out_dir.
+
+    `git` is `git_state()` taken when the run started (the code that ran); when None it
+    is taken now.
+    """
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"title": report.title, "config": config_dict, "seed": seed,
-               "versions": versions(), "command": " ".join(argv),
+               "versions": versions(), "git": git if git is not None else git_state(),
+               "command": " ".join(argv),
                "elapsed_s": round(elapsed_s, 2), "columns": list(report.columns),
                "rows": report.rows, "claims": report.claims, "notes": report.notes,
                "extra": report.extra}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=_jsonable))
     (out_dir / "table.md").write_text(render_markdown(report))
     if report.plot is not None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=(7, 4.5))
-        report.plot(fig)
+        save_plot(report.plot, report.columns, out_dir / "plot.png")
+
+
+def save_plot(plot: Callable[[Any], None], columns: Sequence[str], path: Path) -> None:
+    """Draw `plot` on a fresh figure, fill missing axis labels (label_axes), save a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = plt.figure(figsize=(7, 4.5))
+    try:
+        plot(fig)
+        unlabeled = label_axes(fig, columns)
+        if unlabeled:
+            print(f"warning: plot axes without an x or y label: {unlabeled}", file=sys.stderr)
         fig.tight_layout()
-        fig.savefig(out_dir / "plot.png", dpi=110)
+        fig.savefig(path, dpi=110)
+    finally:
         plt.close(fig)
+
+
+MIN_TICK_FONTSIZE = 7.0
+
+
+def label_axes(fig, columns: Sequence[str] = ()) -> list[str]:
+    """Give every plotted axes an x and y label and ticks of a readable size.
+
+    An experiment's plot should label its axes itself; this fills what it left out so a
+    committed plot.png is never unlabeled: a missing y label becomes the title's first
+    line (the title keeps the rest), a missing x label under text (categorical) ticks
+    becomes the table's first column name. Tick labels smaller than MIN_TICK_FONTSIZE are
+    enlarged. Returns the axes (by title or index) still missing a label.
+    """
+    missing = []
+    for i, ax in enumerate(fig.axes):
+        if not ax.has_data():
+            continue
+        if not ax.get_ylabel() and ax.get_title():
+            first, _, rest = ax.get_title().partition("\n")
+            ax.set_ylabel(first, fontsize=8)
+            ax.set_title(rest.strip(), fontsize=8)
+        if not ax.get_xlabel() and columns and _text_ticks(ax.xaxis):
+            ax.set_xlabel(str(columns[0]), fontsize=8)
+        for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
+            labels = axis.get_ticklabels()
+            size = labels[0].get_fontsize() if labels else MIN_TICK_FONTSIZE
+            if size < MIN_TICK_FONTSIZE:
+                ax.tick_params(axis=name, which="both", labelsize=MIN_TICK_FONTSIZE)
+        if not ax.get_xlabel() or not ax.get_ylabel():
+            missing.append(ax.get_title() or f"axes {i}")
+    _unclutter_xticks(fig)
+    return missing
+
+
+def _unclutter_xticks(fig) -> None:
+    """Slant text tick labels that overlap their neighbours (30, 45, 60, then 90 degrees,
+    anchored at their tick) until they no longer do."""
+    renderer = fig.canvas.get_renderer()
+
+    def overlapping(labels):
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        return any(a.overlaps(b) for a, b in zip(boxes, boxes[1:]))
+
+    fig.canvas.draw()
+    for ax in fig.axes:
+        labels = [t for t in ax.get_xticklabels() if t.get_text()]
+        for angle in (30, 45, 60, 90):
+            if not overlapping(labels):
+                break
+            for t in labels:
+                t.set_rotation(max(angle, t.get_rotation() % 180))
+                t.set_horizontalalignment("center" if angle == 90 else "right")
+                t.set_multialignment("center" if angle == 90 else "right")
+                t.set_rotation_mode("anchor" if angle < 90 else "default")
+
+
+def _text_ticks(axis) -> bool:
+    """Whether an axis's tick labels are words (categories), not numbers."""
+    texts = [t.get_text() for t in axis.get_ticklabels()]
+    words = [t for t in texts if t and not t.startswith("$")]
+    return any(not _is_number(t) for t in words)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace("\u2212", "-"))
+        return True
+    except ValueError:
+        return False
 
 
 def _jsonable(x):

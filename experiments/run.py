@@ -101,10 +101,13 @@ def main(argv) -> None:
     logging.info("running %s (%s)", config.run_name, config.experiment)
     out_dir = Path(_WORKDIR.value) / config.run_name
     out_dir.mkdir(parents=True, exist_ok=True)
+    git = common.git_state()  # before the run: the code that runs, not edits made meanwhile
+    command = ["python", "-m", "experiments.run", *sys.argv[1:]]  # not this machine's path
     t0 = time.perf_counter()
     report = module.run(config, out_dir)
     elapsed = time.perf_counter() - t0
-    common.write_results(report, out_dir, config.to_dict(), config.seed, sys.argv, elapsed)
+    common.write_results(report, out_dir, config.to_dict(), config.seed, command, elapsed,
+                         git=git)
     print(common.render_markdown(report))
     print(f"wrote {out_dir}/results.json, table.md" + (", plot.png" if report.plot else "")
           + f" in {elapsed:.0f}s")

@@ -127,6 +127,7 @@ CELLS = [
     new_code_cell(
         "fig = plt.figure(figsize=(10, 4))\n"
         "report.plot(fig)\n"
+        "common.label_axes(fig, report.columns)  # as results/<run>/plot.png: labels, ticks\n"
         "plt.show()"),
 ]
 

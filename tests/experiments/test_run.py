@@ -51,6 +51,8 @@ def test_baseline_runs_and_is_reproducible(tmp_path, tiny_gguf):
     r = runs[0]
     assert r["seed"] == 0 and r["config"]["ppl"]["window"] == 32
     assert r["versions"]["jax"] == jax.__version__
+    assert r["command"].startswith("python -m experiments.run --config=")  # no local path
+    assert len(r["git"]["commit"]) == 40 and isinstance(r["git"]["dirty"], bool)
     assert [row["perplexity"] for row in r["rows"]] == [row["perplexity"]
                                                          for row in runs[1]["rows"]]
     assert "| float32 |" in (tmp_path / "w0" / "baseline_small" / "table.md").read_text()
