@@ -78,7 +78,7 @@ CELLS = [
                       "(CPU XLA, medians after warm-up)."),
     new_code_cell(
         "from experiments.tasq.experiment import time_decode\n"
-        "t = time_decode({'1bit': tasq_model.caches[0]}, c, 16384, batch=1, warmup=1, "
+        "t = time_decode({'1bit': tasq_model.caches[0].codec}, c, 16384, batch=1, warmup=1, "
         "repeats=5, seed=0)\n"
         "print(f\"bf16 {t['bf16_ms']:.2f} ms ({t['bf16_bytes']/2**20:.1f} MiB) vs 1-bit "
         "{t['1bit_ms']:.2f} ms ({t['1bit_bytes']/2**20:.2f} MiB): {t['1bit_speedup']:.1f}x\")"),
@@ -86,8 +86,8 @@ CELLS = [
     new_code_cell(
         "from kernels_pallas.vq_attention import BlockSizes, vq_decode_attention\n"
         "rng = np.random.default_rng(0)\n"
-        "cache0 = tasq_model.caches[0]\n"
-        "codes = lambda: jnp.asarray(rng.integers(0, 256, (2, 3, 8, 300)), jnp.uint8)\n"
+        "cache0 = tasq_model.caches[0].codec  # the layer's VQ codec\n"
+        "codes = lambda: jnp.asarray(rng.integers(0, 256, (2, 300, 3, 8)), jnp.uint8)\n"
         "args = (jnp.asarray(rng.normal(size=(2, 9, 64)), jnp.float32), codes(), codes(),\n"
         "        cache0.key_codebook, cache0.value_codebook, jnp.array([300, 123]))\n"
         "ref = vq_decode_attention(*args, implementation='xla')\n"

@@ -22,10 +22,8 @@ which is the memory the compressed context really needs (`kept_tokens` counts it
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -37,7 +35,7 @@ from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.eviction.policies import ScoreInputs, make_policy
 from research.kv.window import WindowKVCache
-from research.transforms import Transform
+from research.transforms import Transform, stateless
 
 
 def _is_concrete_number(x) -> bool:
@@ -189,7 +187,7 @@ def evict(policy="snapkv", ratio: float = 0.25, *, layer_ratios: Sequence[float]
             caches.append(cache)
         return model.replace(caches=tuple(caches), tags=model.tags + (f"evict-{policy.name}",))
 
-    return Transform(lambda model, data: (), apply, f"evict({policy.name},{ratio:g})")
+    return stateless(apply, f"evict({policy.name},{ratio:g})")
 
 
 def _layer_ratios(ratio, layer_ratios, n_layers) -> list[float]:

@@ -34,7 +34,7 @@ from jaxtyping import Array, Int
 
 from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.paged_attention.api import BACKENDS, paged_decode_attention
-from research.transforms import Transform
+from research.transforms import Transform, stateless
 from research.kv.base import KVCache, check_codec, poison_rows
 from research.kv.codec import FloatCodec, KVCodec, KVView
 from research.kv.dense import DenseKVCache
@@ -208,4 +208,4 @@ def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str 
 
     PagedKVCache(block_size=block_size, n_blocks=n_blocks, implementation=implementation,
                  backend=backend)  # validates the arguments now, not at apply time
-    return Transform(lambda model, data: None, apply, f"paged_kv(block_size={block_size})")
+    return stateless(apply, f"paged_kv(block_size={block_size})")

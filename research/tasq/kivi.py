@@ -15,7 +15,6 @@ earlier tokens of a block still sit in the ring when the block completes.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from research.kv.base import KVCache, scatter_tokens, write_positions
 from research.kv.quantized import (dequantize_uniform, pack_bits, quantize_uniform,

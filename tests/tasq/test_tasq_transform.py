@@ -75,7 +75,7 @@ def test_tasq_beats_plain_vq_on_attention_error_with_query_weighting(model16, ca
     weighted, _ = calibrate_and_apply(
         tasq(dataclasses.replace(CFG, head_normalization=False, channel_grouping=False,
                                  share_codebooks=False)), model16, calib)
-    assert weighted.caches[0].key_codebook.shape[0] == model16.config.n_kv_heads
+    assert weighted.caches[0].codec.key_codebook.shape[0] == model16.config.n_kv_heads
     e_plain = attention_output_error(plain, toks)["mean"]
     e_weighted = attention_output_error(weighted, toks)["mean"]
     assert 0 < e_weighted < e_plain < 1.5
