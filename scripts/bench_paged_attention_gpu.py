@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling VQ bench
 
 import bench_vq_attention_gpu as vq_bench  # noqa: E402
-from experiments.common import time_fn  # noqa: E402
+from research.core.timing import time_fn  # noqa: E402
 from kernels_pallas.paged_attention import paged_decode_attention  # noqa: E402
 
 SHAPES, BATCHES, CONTEXTS = vq_bench.SHAPES, vq_bench.BATCHES, vq_bench.CONTEXTS
