@@ -22,8 +22,9 @@ venv: $(STAMP)
 demo: venv
 	$(PY) -m experiments.run --config=experiments/baseline/baseline.py:small
 
+# one pytest process per test folder: scripts/run_tests.py says why
 test: venv
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) scripts/run_tests.py -m "not slow" $(PYTEST_ARGS)
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
