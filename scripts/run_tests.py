@@ -37,11 +37,11 @@ def main(argv: list[str]) -> int:
         print(f"== {' '.join(group)}", flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
-        print(proc.stdout[-6000:] if proc.returncode not in (0, 5) else
-              proc.stdout.strip().splitlines()[-1], flush=True)
+        summary = next((line for line in reversed(proc.stdout.splitlines())
+                        if re.search(r"\d+ (passed|failed|error|deselected)", line)), "")
+        print(proc.stdout[-6000:] if proc.returncode not in (0, 5) else summary, flush=True)
         for key in totals:
-            m = re.findall(rf"(\d+) {key}", proc.stdout.strip().splitlines()[-1]
-                           if proc.stdout.strip() else "")
+            m = re.findall(rf"(\d+) {key}", summary)
             totals[key] += int(m[-1]) if m else 0
         if proc.returncode not in (0, 5):  # 5: every test of the folder deselected
             bad.append(f"{' '.join(group)} (exit {proc.returncode})")
