@@ -87,7 +87,6 @@ def run(shapes=tuple(SHAPES), batches=BATCHES, contexts=CONTEXTS, *, warmup: int
 
 def main(argv=None) -> int:
     import argparse
-    import json
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--page", type=int, default=PAGE)
     args, rest = ap.parse_known_args(argv)
@@ -98,11 +97,7 @@ def main(argv=None) -> int:
     rows = run(tuple(common.shapes.split(",")), tuple(map(int, common.batches.split(","))),
                tuple(map(int, common.contexts.split(","))), warmup=common.warmup,
                repeats=common.repeats, dry_run=common.dry_run, page=args.page)
-    vq_bench.print_table(rows)
-    if common.out:
-        with open(common.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__,
-                       "dry_run": common.dry_run, "rows": rows}, f, indent=2)
+    vq_bench.report(rows, common.out, common.dry_run)
     return 0
 
 

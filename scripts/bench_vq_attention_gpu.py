@@ -139,12 +139,17 @@ def main(argv=None) -> int:
     rows = run(tuple(args.shapes.split(",")), tuple(map(int, args.batches.split(","))),
                tuple(map(int, args.contexts.split(","))), warmup=args.warmup,
                repeats=args.repeats, dry_run=args.dry_run)
-    print_table(rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__,
-                       "dry_run": args.dry_run, "rows": rows}, f, indent=2)
+    report(rows, args.out, args.dry_run)
     return 0
+
+
+def report(rows: list[dict], out: str | None, dry_run: bool) -> None:
+    """Print the table; write the rows with the device and JAX version to `out` (JSON)."""
+    print_table(rows)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__,
+                       "dry_run": dry_run, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
