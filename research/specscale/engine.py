@@ -71,7 +71,8 @@ class PagedEngine:
 
     model: any servax Model whose caches are codecs in a layout (float, int8, TaSQ/VQ,
       CQ, sign-bit); each layer's records move into pages of one pool, codec kept (a
-      cache that cannot be paged, e.g. an eviction press, is refused with its name).
+      cache that cannot be paged, e.g. an eviction press, is refused with its name, and
+      so is a codec with per-sequence state, KIVI, since rows are re-bound every pass).
     max_len: longest sequence (sets the block-table width).
     temperature: sampling temperature (0 = greedy); top-k/top-p are not used.
     """
@@ -90,6 +91,12 @@ class PagedEngine:
         self.model = transform.apply(model, transform.calibrate(model, None))
         self.manager = BlockManager(n_blocks, block_size, -(-max_len // block_size))
         states = self.model.init_cache(1, max_len)
+        for i, (cache, s) in enumerate(zip(self.model.caches, states)):
+            if paged.has_seq_state(s):  # rows are re-bound to sequences every pass here
+                raise TypeError(f"PagedEngine cannot serve layer {i}'s {cache.describe()}: "
+                                "its codec keeps per-sequence state outside the pages "
+                                "(a full-precision ring), and this engine re-binds rows "
+                                "to sequences every pass")
         self.pools = tuple(paged.pools_of(s) for s in states)
         self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(self.pools)) // n_blocks
         self.temperature = float(temperature)
