@@ -322,8 +322,9 @@ class ServingEngine:
         `step()` / `drain_events()`."""
         req = self._validated(request)
         self._start(req, slot=None)
-        while req.state == PREFILLING:
-            n = min(self.prefill_chunk, len(req.tokens) - self.pool.manager.length(req.seq))
+        while True:
+            pending = len(req.tokens) - self.pool.manager.length(req.seq)
+            n = min(self.prefill_chunk, pending)
             try:
                 self.pool.reserve({req.seq: n})
             except OutOfBlocksError:
@@ -333,7 +334,8 @@ class ServingEngine:
                 self._preempt(max(victims, key=lambda r: r.admitted))
                 continue
             self._forward_prefill([(req, n)])
-        return self._prefix(req)
+            if n == pending:  # the last chunk: the first token is generated
+                return self._prefix(req)
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Put a prefilled request into decode slot `slot` (free, or already its own)."""
