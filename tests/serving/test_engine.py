@@ -1,4 +1,5 @@
-"""The serving engine on a tiny random model: continuous batching equals `generate`,
+"""The serving engine on a tiny random model with a TaSQ 1-bit KV cache (codes in pages):
+continuous batching equals TaSQ's dense `generate`,
 seeds, stop strings, preemption, prefix cache, speculative decoding, no recompiles, no
 leaked blocks, bad input. (The real SmolLM2 checks are in test_engine_smollm2.py.)"""
 import random
@@ -12,6 +13,9 @@ from research.model import init_params, make_model, tiny_config
 from research.serving.api import QueueFullError, Request, RequestError, SamplingParams
 from research.serving.engine import ServingEngine, TextStream, prompt_lookup_draft
 from research.serving.generate import generate
+from research.tasq import TaSQConfig, tasq
+from research.tasq.vq import VQCodec
+from research.transforms import CalibrationData, calibrate_and_apply
 from research.serving.sampling import (SamplingConfig, filter_logits, filter_logits_per_row,
                                        sample_per_row)
 
@@ -43,10 +47,19 @@ PROMPTS = ["hello world, this is a test", "abc", "the quick brown fox jumps over
 
 @pytest.fixture(scope="module")
 def model():
-    config = tiny_config(vocab_size=128, max_position=256)
+    """A tiny random model with a TaSQ 1-bit KV cache: every test below serves TaSQ codes
+    in pages and compares with TaSQ's dense-cache `generate` (f32 is covered by the
+    SmolLM2 test)."""
+    config = tiny_config(vocab_size=128, max_position=256, head_dim=16, n_heads=4,
+                         n_kv_heads=2)
     params = init_params(config, jax.random.key(3))
     params["embed"] = params["embed"] * 0.15  # varied, non-degenerate samples
-    return make_model(config, params)
+    ids = np.random.default_rng(0).integers(32, 127, 4 * 64)
+    cfg = TaSQConfig(bits=1, kmeans_iters=3, max_points=256, share_codebooks=True)
+    quantized, _ = calibrate_and_apply(tasq(cfg), make_model(config, params),
+                                       CalibrationData.from_ids(ids, 64, 4))
+    assert isinstance(quantized.caches[0].codec, VQCodec)
+    return quantized
 
 
 def _engine(model, **kw):
