@@ -240,9 +240,10 @@ class ServingEngine:
         if token_budget < max_batch:
             raise ValueError(f"token_budget={token_budget} must cover one decode token per "
                              f"slot (max_batch={max_batch})")
-        if n_blocks * block_size < max_len:
-            raise ValueError(f"n_blocks * block_size = {n_blocks * block_size} cannot hold "
-                             f"one request of max_len={max_len}")
+        if n_blocks < -(-max_len // block_size) + 1:
+            raise ValueError(f"n_blocks={n_blocks} cannot hold one request of max_len="
+                             f"{max_len} plus one copy-on-write block: need at least "
+                             f"{-(-max_len // block_size) + 1} blocks of {block_size}")
         self.pool = PagedPool(model, n_blocks=n_blocks, block_size=block_size,
                               max_len=max_len, implementation=implementation,
                               interpret=interpret, prefix_cache=prefix_cache)
@@ -431,6 +432,8 @@ class ServingEngine:
                            and r.slot is not None), key=lambda r: r.admitted):
             if budget <= 0 or len(rows) == self.max_prefill_rows:
                 break
+            if req.state != PREFILLING:  # preempted earlier in this loop
+                continue
             n = min(self.prefill_chunk, budget,
                     len(req.tokens) - self.pool.manager.length(req.seq))
             try:
@@ -503,7 +506,7 @@ class ServingEngine:
         if not live:
             return out
         drafts = {r.rid: self._draft(r) for r in live}
-        spare = budget - len(live)
+        spare = budget - len(live) - self._prefill_demand()  # drafts never starve prefill
         for r in live:  # drafts only within the step's token budget
             drafts[r.rid] = drafts[r.rid][:max(0, spare)]
             spare -= len(drafts[r.rid])
@@ -557,6 +560,14 @@ class ServingEngine:
             self._accept(r, new)
         self.state.steps += 1
         return out
+
+    def _prefill_demand(self) -> int:
+        """Tokens the next prefill chunks want (what drafts must leave of the budget)."""
+        pending = sorted((r for r in self._live.values() if r.state == PREFILLING
+                          and r.slot is not None and r.seq is not None),
+                         key=lambda r: r.admitted)[:self.max_prefill_rows]
+        return sum(min(self.prefill_chunk, len(r.tokens) - self.pool.manager.length(r.seq))
+                   for r in pending)
 
     def _draft(self, req: _Req) -> list[int]:
         if not self.speculative or req.params.temperature != 0:
