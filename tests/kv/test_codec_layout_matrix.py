@@ -256,7 +256,7 @@ def test_kivi_layouts_need_aligned_groups_and_the_engine_refuses_its_ring(tiny):
     with pytest.raises(ValueError, match=r"window \(6\) must be a multiple"):
         WindowKVCache(6, codec)
     kivi = calibrate_and_apply(kivi_kv(key_group=4, value_group=4, residual=4), tiny, None)[0]
-    with pytest.raises(TypeError, match=r"PagedEngine cannot serve layer 0's paged16\[kivi"):
+    with pytest.raises(TypeError, match=r"cannot serve layer 0's paged16\[kivi"):
         PagedEngine(kivi, n_blocks=8, block_size=16, max_len=32)
 
 
