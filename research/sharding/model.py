@@ -252,6 +252,15 @@ def _flat_axis_index(axes: tuple, mesh: Mesh):
 
 # -- whole model -----------------------------------------------------------------------
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """`x` laid out by `sharding`; under jax.distributed (a sharding with other processes'
+    devices) every process passes the same value and keeps its own shards."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def _cache_axes(mesh: Mesh, rules) -> tuple[tuple, tuple]:
     table = rules_dict(rules)
     pick = lambda name: tuple(a for a in table.get(name, ()) if mesh.shape.get(a, 1) > 1)  # noqa: E731
@@ -274,7 +283,7 @@ def shard_caches(model, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
                             "codec caches in a dense, window or paged layout can")
         wrapped = ShardedKVCache(cache, mesh, batch_axes, head_axes)
         specs = wrapped.codec_specs(model.config.n_kv_heads)
-        inner = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+        inner = jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)),
                              cache, specs)
         caches.append(wrapped.replace(inner=inner))
     return model.replace(caches=tuple(caches))
@@ -290,7 +299,7 @@ def shard_model(model, mesh: Mesh, rules: Sequence = DEFAULT_RULES, *,
     config = model.config
     check_attention_layout(config, mesh, rules)
     specs = param_specs(config, model.params, mesh, rules)
-    params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+    params = jax.tree.map(lambda x, s: place(x, NamedSharding(mesh, s)),
                           model.params, specs)
     model = model.replace(params=params)
     ep_axes = tuple(a for a in rules_dict(rules).get("experts", ()) if mesh.shape.get(a, 1) > 1)
@@ -329,7 +338,7 @@ def shard_cache_states(model, states) -> tuple:
             c._check(s[TABLE].shape[0], model.config.n_kv_heads, lead)
         else:
             c._check(lead, model.config.n_kv_heads)
-        out.append({n: jax.device_put(x, NamedSharding(c.mesh, sp[n])) for n, x in s.items()})
+        out.append({n: place(x, NamedSharding(c.mesh, sp[n])) for n, x in s.items()})
     return tuple(out)
 
 

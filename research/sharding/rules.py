@@ -124,3 +124,14 @@ def logical_spec(logical_axes: Sequence[str | None], rules: Sequence, mesh: Mesh
 
 def named(mesh: Mesh, spec: P) -> NamedSharding:
     return NamedSharding(mesh, spec)
+
+
+def override_rules(rules: Sequence = DEFAULT_RULES, **changes) -> tuple:
+    """`rules` with some logical axes remapped, e.g. override_rules(vocab=None) for a
+    vocabulary no tensor degree divides (a byte-level LM's 257)."""
+    table = rules_dict(rules)
+    unknown = set(changes) - set(table)
+    if unknown:
+        raise ValueError(f"override_rules: unknown logical axes {sorted(unknown)} "
+                         f"(known: {sorted(table)})")
+    return tuple((k, changes.get(k, v if v else None)) for k, v in table.items())
