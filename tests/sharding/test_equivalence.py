@@ -114,3 +114,17 @@ def test_greedy_generation_identical_on_tp8_and_dp8(kind):
     got = generate(shard_model(model, mesh), prompts, max_new_tokens=6)
     assert got.tokens == want.tokens
     assert len({tuple(t) for t in want.tokens}) > 1  # not a degenerate continuation
+
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_generation_identical_dp2_tp3(smollm2):
+    """The embedded SmolLM2 with its weights, all 30 layers, chat prompts."""
+    model, tokenizer = smollm2
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user",
+                                                                "content": p}]))
+               for p in ("What is the capital of France?", "Name a prime number.",
+                         "Write one sentence about the sea.", "2 + 2 =")]
+    want = generate(model, prompts, max_new_tokens=12)
+    got = generate(shard_model(model, make_mesh(data=2, tensor=3)), prompts,
+                   max_new_tokens=12)
+    assert got.tokens == want.tokens
