@@ -11,8 +11,11 @@ own first local device. Writes a JSON report to --out.
         experiments.scaleout.distributed_check --process_id=0 --num_processes=2 \
         --coordinator=localhost:12355 --out=/tmp/p0.json   # and process_id=1 likewise
 
-On a real cluster: one such process per host, no XLA_FLAGS, `--coordinator=<host0>:<port>`
-(on Cloud TPU `jax.distributed.initialize()` finds all three by itself).
+On a real cluster: one such process per host, no XLA_FLAGS; `--coordinator=<host0>:<port>`
+with each host's `--process_id`, or, on Cloud TPU (and SLURM / Open MPI launches, which
+`jax.distributed.initialize()` detects), no `--process_id` at all:
+
+    python -m experiments.scaleout.distributed_check --out=/tmp/check.json --tensor=4
 """
 from __future__ import annotations
 
@@ -69,17 +72,23 @@ def run_check(args) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--process_id", type=int, required=True)
+    parser.add_argument("--process_id", type=int, default=None,
+                        help="this process's id; omit to let jax.distributed.initialize() "
+                             "detect the cluster (Cloud TPU, SLURM, Open MPI)")
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--coordinator", default="localhost:12355")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor", type=int, default=4, help="tensor-parallel degree")
     args = parser.parse_args(argv)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts only
     jax.config.update("jax_default_matmul_precision", "highest")
-    jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes, process_id=args.process_id)
+    if args.process_id is None:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator_address=args.coordinator,
+                                   num_processes=args.num_processes,
+                                   process_id=args.process_id)
     try:
         report = run_check(args)
     finally:

@@ -55,3 +55,21 @@ def test_paged_row_pointing_at_another_shards_blocks_gets_nan_not_a_wrong_page()
     bad = with_block_tables(states, jnp.asarray([[3, 1], [2, 3]]))  # row 0 -> shard 1's block 3
     out = np.asarray(run(sharded, tokens, bad))
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
+def test_tensor_parallel_only_paged_pool_serves_any_block_table():
+    """With batch/blocks replicated (rules batch=None, blocks=None) the pool is split by
+    KV heads only, so rows may share and reorder blocks freely (what a serving engine's
+    prefix cache does): same logits as one device."""
+    config = tiny_config(n_layers=1, vocab_size=96, n_heads=4, n_kv_heads=2)
+    model = make_model(config, init_params(config, jax.random.key(1)))
+    model = model.replace(caches=(PagedKVCache(block_size=4, n_blocks=6),))
+    rules = override_rules(vocab=None, batch=None, blocks=None)
+    sharded = shard_model(model, make_mesh(tensor=2), rules)
+    table = jnp.asarray([[5, 0], [5, 2]])  # both rows' first page is block 5 (shared)
+    tokens = jnp.asarray([[1, 2, 3, 4], [1, 2, 3, 4]], jnp.int32)
+    run = jax.jit(lambda m, t, s: forward(m, t, cache_states=s, logits="last").logits)
+    want = run(model, tokens, with_block_tables(model.init_cache(2, 8), table))
+    states = with_block_tables(sharded.init_cache(2, 8), table)
+    assert states[0]["k"].sharding.spec == P(None, None, "tensor", None)
+    np.testing.assert_allclose(run(sharded, tokens, states), want, atol=1e-5, rtol=1e-5)
