@@ -213,17 +213,29 @@ def _roofline(config):
 def run(config, out_dir: Path) -> common.Report:
     if jax.device_count() < 8:
         raise RuntimeError(f"needs 8 devices (config.host_devices=8), got {jax.device_count()}")
+    unknown = set(config.parts) - {"equivalence", "moe", "throughput", "roofline"}
+    if unknown:
+        raise ValueError(f"config.parts has unknown parts {sorted(unknown)}")
     model, tokenizer = load()
-    rows = _equivalence(config, model, tokenizer)
-    moe_rows, moe_losses = _moe(config)
-    rows += moe_rows
-    tput_rows, times = _throughput(config, model, tokenizer)
-    rows += tput_rows
-    rows += _roofline(config)
+    rows, moe_losses, times = [], None, None
+    if "equivalence" in config.parts:
+        rows += _equivalence(config, model, tokenizer)
+    if "moe" in config.parts:
+        moe_rows, moe_losses = _moe(config)
+        rows += moe_rows
+    if "throughput" in config.parts:
+        tput_rows, times = _throughput(config, model, tokenizer)
+        rows += tput_rows
+    if "roofline" in config.parts:
+        rows += _roofline(config)
     eq = [r for r in rows if r["part"] in ("equivalence", "moe")]
+    return _report(config, rows, _claims(eq) if eq else [], moe_losses, times)
+
+
+def _claims(eq):
     worst = max(max(r["prefill max|err|"], r["decode max|err|"]) / r["max|logit|"]
                 for r in eq)
-    claims = [
+    return [
         common.claim("sharded logits == single device (f32)",
                      "max |err| / max |logit| <= 1e-5", worst, worst <= 1e-5),
         common.claim("greedy generation identical", "every row, every layout",
@@ -234,6 +246,9 @@ def run(config, out_dir: Path) -> common.Report:
                      sum(r["all-gathers of params/KV"] for r in eq),
                      sum(r["all-gathers of params/KV"] for r in eq) == 0),
     ]
+
+
+def _report(config, rows, claims, moe_losses, times):
     notes = [
         "measured: equivalence, bytes (real arrays, per device), collectives (compiled "
         "HLO), throughput (medians of interleaved rounds, wall clock). The 8 devices are "
@@ -245,25 +260,33 @@ def run(config, out_dir: Path) -> common.Report:
         "of 8 devices); 8 devices run it data-parallel.",
     ]
 
-    def plot(fig):
-        ax1, ax2 = fig.subplots(1, 2)
-        tp = [r for r in rows if r["part"] == "throughput"]
-        ax1.bar([str(r["devices"]) for r in tp], [r["decode tok/s"] for r in tp])
-        ax1.set_xlabel("data-parallel simulated devices (2 shared cores)")
-        ax1.set_ylabel("decode tok/s (measured)")
-        ax1.set_title("measured, CPU", fontsize=9)
-        for key in sorted({(r["part"], r["model"]) for r in rows if r["kind"] == "modeled"}):
-            pts = [r for r in rows if (r["part"], r["model"]) == key]
-            ax2.plot([r["devices"] for r in pts], [r["speedup"] for r in pts], "o-",
-                     label=f"{key[0].split()[-1]} {key[1]}")
-        ax2.set_xlabel("chips")
-        ax2.set_ylabel("decode speedup vs 1 chip (modeled)")
-        ax2.set_title("modeled, roofline", fontsize=9)
-        ax2.legend(fontsize=6)
+    tput = [r for r in rows if r["part"] == "throughput"]
+    modeled = [r for r in rows if r["kind"] == "modeled"]
 
+    def plot(fig):
+        axes = iter(fig.subplots(1, int(bool(tput)) + int(bool(modeled)), squeeze=False)[0])
+        if tput:
+            ax = next(axes)
+            ax.bar([str(r["devices"]) for r in tput], [r["decode tok/s"] for r in tput])
+            ax.set_xlabel("data-parallel simulated devices (2 shared cores)")
+            ax.set_ylabel("decode tok/s (measured)")
+            ax.set_title("measured, CPU", fontsize=9)
+        if modeled:
+            ax = next(axes)
+            for key in sorted({(r["part"], r["model"]) for r in modeled}):
+                pts = [r for r in modeled if (r["part"], r["model"]) == key]
+                ax.plot([r["devices"] for r in pts], [r["speedup"] for r in pts], "o",
+                        label=f"{key[0].split()[-1]} {key[1]}")
+            ax.set_xlabel("chips")
+            ax.set_ylabel("decode speedup vs 1 chip (modeled)")
+            ax.set_title("modeled, roofline", fontsize=9)
+            ax.legend(fontsize=6)
+
+    columns = [c for c in COLUMNS if any(c in r for r in rows)]
     return common.Report(
-        columns=COLUMNS, rows=rows, title="Scale-out: sharded SmolLM2 / MoE LM on a mesh",
+        columns=columns, rows=rows, title="Scale-out: sharded SmolLM2 / MoE LM on a mesh",
         claims=claims, notes=notes, plot=plot,
-        extra={"throughput_times": times, "moe_train_losses": moe_losses,
+        extra={"parts": list(config.parts), "throughput_times": times,
+               "moe_train_losses": moe_losses,
                "roofline_chips": {k: dataclasses.asdict(v[0]) for k, v in
                                   SLICES.items()}})

@@ -1,10 +1,14 @@
 r"""Scale-out: sharded == single device, per-device bytes, data-parallel throughput on
 simulated CPU devices (measured), and a roofline scaling table for real slices (modeled).
 
-Command:   python -m experiments.run --config=experiments/scaleout/scaleout.py:small
-Hardware:  small = CPU, 8 simulated devices (XLA host platform) that share this machine's
-           2 cores; ~10-20 min on a shared, loaded machine (30-layer SmolLM2 compiles for
-           every mesh). full = more decode steps and timing rounds.
+Commands:  python -m experiments.run --config=experiments/scaleout/scaleout.py:small
+           flock /work/bench.lock python -m experiments.run \
+               --config=experiments/scaleout/scaleout.py:throughput
+Hardware:  CPU, 8 simulated devices (XLA host platform) that share this machine's 2 cores.
+           small = parts (1), (2), (4): no timing, ~15-25 min on a shared, loaded machine
+           (30-layer SmolLM2 compiles for every mesh); throughput = part (3) alone, the
+           timed part (run it holding the machine's bench lock); full = all four with
+           more decode steps and timing rounds.
 What runs: (1) SmolLM2-135M (embedded GGUF, real weights, f32) with the f32 dense cache,
            a calibrated TaSQ 1-bit cache and the paged cache, sharded data 2 x tensor 3
            (its 9 q / 3 KV heads: TP 3 on 6 devices) and data 8, against one device:
@@ -23,14 +27,16 @@ import ml_collections
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    small = arg == "small"
+    if arg not in ("small", "throughput", "full"):
+        raise ValueError(f"config arg must be 'small', 'throughput' or 'full', got {arg!r}")
+    small = arg != "full"
     c = ml_collections.ConfigDict()
     c.experiment = "experiments.scaleout.experiment"
     c.run_name = f"scaleout_{arg}"
     c.seed = 0
     c.host_devices = 8
+    c.parts = {"small": ("equivalence", "moe", "roofline"), "throughput": ("throughput",),
+               "full": ("equivalence", "moe", "throughput", "roofline")}[arg]
     c.matmul_precision = "highest"
     c.equiv = ml_collections.ConfigDict(dict(
         batch=8, prompt_len=48, decode_steps=8 if small else 32,
