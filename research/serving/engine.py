@@ -643,7 +643,7 @@ class ServingEngine:
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             if p.temperature > 0:
                 keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
-        self.pool.pools, sampled, greedy = _serve_forward(
+        self.pool.pools, sampled, greedy = serve_forward(
             self.pool.model, self.pool.pools, table, tokens, start, n_new, temperature,
             top_k, top_p, keys, verify=verify)
         return np.asarray(sampled), np.asarray(greedy)
@@ -717,7 +717,7 @@ class ServingEngine:
 
 
 @functools.partial(jax.jit, static_argnames=("verify",), donate_argnums=(1,))
-def _serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
+def serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
                    top_k, top_p, key_data, *, verify: bool):
     """Rows' pending tokens through the paged caches; the token after each row's last
     real one, sampled with the row's settings; `verify` also returns the argmax at every
