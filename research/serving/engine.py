@@ -209,6 +209,17 @@ class SpecStats:
     verify_steps: int = 0
 
 
+@dataclasses.dataclass
+class StepStats:
+    """Scheduler counters: tokens computed per `step()` (decode + prefill chunks)."""
+
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    max_step_tokens: int = 0
+    mixed_steps: int = 0  # steps that ran prefill chunks beside a decode batch
+
+
 class ServingEngine:
     """Continuous batching over one `PagedPool` (see the module docstring).
 
@@ -263,6 +274,8 @@ class ServingEngine:
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.state = DecodeState([None] * max_batch)
         self.spec_stats = SpecStats()
+        self.step_stats = StepStats()
+        self._last_decode_tokens = 0
         self._queue: collections.deque[_Req] = collections.deque()
         self._live: dict[str, _Req] = {}  # every request holding blocks or a slot
         self._events: list[TokenEvent] = []
@@ -303,7 +316,13 @@ class ServingEngine:
         if any(self._slot_req(s) is not None and self._slot_req(s).state == DECODING
                for s in range(self.max_batch)):
             used = self._decode(self.token_budget)
-        self._prefill_chunks(self.token_budget - used)
+        prefilled = self._prefill_chunks(self.token_budget - used)
+        st = self.step_stats
+        st.steps += 1
+        st.decode_tokens += used
+        st.prefill_tokens += prefilled
+        st.max_step_tokens = max(st.max_step_tokens, used + prefilled)
+        st.mixed_steps += bool(used and prefilled)
         events, self._events = self._events, []
         return events
 
@@ -425,8 +444,9 @@ class ServingEngine:
             self.state.slots[slot] = req.rid
         self._live[req.rid] = req
 
-    def _prefill_chunks(self, budget: int) -> None:
-        """Prefill chunks for prefilling requests (admission order) within `budget`."""
+    def _prefill_chunks(self, budget: int) -> int:
+        """Prefill chunks for prefilling requests (admission order) within `budget`;
+        returns the tokens computed."""
         rows = []
         for req in sorted((r for r in self._live.values() if r.state == PREFILLING
                            and r.slot is not None), key=lambda r: r.admitted):
@@ -449,6 +469,7 @@ class ServingEngine:
             budget -= n
         if rows:
             self._forward_prefill(rows)
+        return sum(n for _, n in rows)
 
     def _partial_room(self, req: _Req, n: int) -> int:
         """The most tokens of `n` the free list (after eviction) can take now."""
@@ -494,15 +515,15 @@ class ServingEngine:
 
     # -- decode -----------------------------------------------------------------------
     def _decode(self, budget: int) -> int:
-        """Decode step inside `step()`; returns the tokens of budget it used."""
-        before = self.spec_stats.drafted
-        toks = self._decode_tokens(budget)
-        return sum(1 for t in toks if t) + (self.spec_stats.drafted - before)
+        """Decode step inside `step()`; returns the tokens it computed."""
+        self._decode_tokens(budget)
+        return self._last_decode_tokens
 
     def _decode_tokens(self, budget: int) -> list[list[int]]:
         live = [self._slot_req(s) for s in range(self.max_batch)]
         live = [r for r in live if r is not None and r.state == DECODING]
         out: list[list[int]] = [[] for _ in range(self.max_batch)]
+        self._last_decode_tokens = 0
         if not live:
             return out
         drafts = {r.rid: self._draft(r) for r in live}
@@ -524,6 +545,7 @@ class ServingEngine:
                 live = [r for r in live if r is not victim]
                 if not live:
                     return out
+        self._last_decode_tokens = sum(1 + len(drafts[r.rid]) for r in live)
         t = self.speculative + 1 if any(drafts.values()) else 1
         b, m = self.max_batch, self.pool.manager
         tokens = np.zeros((b, t), np.int32)
@@ -621,7 +643,7 @@ class ServingEngine:
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             if p.temperature > 0:
                 keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
-        self.pool.pools, sampled, greedy = _serve_forward(
+        self.pool.pools, sampled, greedy = serve_forward(
             self.pool.model, self.pool.pools, table, tokens, start, n_new, temperature,
             top_k, top_p, keys, verify=verify)
         return np.asarray(sampled), np.asarray(greedy)
@@ -695,7 +717,7 @@ class ServingEngine:
 
 
 @functools.partial(jax.jit, static_argnames=("verify",), donate_argnums=(1,))
-def _serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
+def serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
                    top_k, top_p, key_data, *, verify: bool):
     """Rows' pending tokens through the paged caches; the token after each row's last
     real one, sampled with the row's settings; `verify` also returns the argmax at every

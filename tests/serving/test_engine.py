@@ -217,6 +217,7 @@ def test_maxengine_primitives(engine, model):
 def test_random_load_no_recompiles_no_leaks(engine):
     rng = random.Random(0)
     compiles0 = engine.metrics().compiles
+    mixed0 = engine.step_stats.mixed_steps
     reqs = []
     for i in range(14):
         text = "".join(rng.choice("abcde ") for _ in range(rng.randint(1, 40)))
@@ -232,6 +233,9 @@ def test_random_load_no_recompiles_no_leaks(engine):
     assert out["x1"][-1].finish_reason == "abort"
     m = engine.metrics()
     assert m.compiles == compiles0  # nothing compiled while serving
+    # every step kept its token budget; prefill chunks ran beside decode batches
+    assert engine.step_stats.max_step_tokens <= engine.token_budget
+    assert engine.step_stats.mixed_steps > mixed0
     assert m.kv_blocks_used == 0 and m.running == 0 and m.queue_length == 0
     engine.pool.prefix_cache.clear()
     engine.pool.allocator.check_consistency()
