@@ -173,30 +173,47 @@ def _decode_step(cache, state, c, batch, context, rng):
 
 # -- report -------------------------------------------------------------------------------------
 
+ROLE_COLORS = {"reference": "gray", "baseline": "tab:blue", "baseline 1-bit": "tab:orange",
+               "tasq": "tab:green", "ablation": "tab:olive"}
+
+
 def _plot(rows, timing):
+    """Left: perplexity per codec as labelled bars (one row each, no overlapping point
+    labels); right: decode attention time against context."""
     def draw(fig):
-        ax1, ax2 = fig.subplots(1, 2)
-        for r in rows:
-            if r["codec"] == "f32":
-                ax1.axhline(r["perplexity"], color="gray", ls="--", lw=1, label="f32")
-                continue
-            marker = "*" if r["role"] == "tasq" else ("x" if r["role"] == "ablation" else "o")
-            ax1.scatter(r["bits/ch"], r["perplexity"], marker=marker, s=60)
-            ax1.annotate(r["codec"], (r["bits/ch"], r["perplexity"]), fontsize=6,
-                         xytext=(3, 2), textcoords="offset points")
-        ax1.set_xscale("log", base=2)
-        ax1.set_yscale("log")
-        ax1.set_xlabel("bits per channel (cache state, all overhead)")
-        ax1.set_ylabel("held-out perplexity")
-        ax1.legend(fontsize=7)
+        from matplotlib.patches import Patch
+        fig.set_size_inches(12, 6.5)
+        ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
+        f32 = rows[0]["perplexity"]
+        y = np.arange(len(rows))
+        ax1.barh(y, [r["perplexity"] for r in rows],
+                 color=[ROLE_COLORS.get(r["role"], "tab:purple") for r in rows])
+        ax1.set_yticks(y, [f"{r['codec']}  [{r['bits/ch']:.3g} b/ch]" for r in rows],
+                       fontsize=8)
+        ax1.invert_yaxis()
+        ax1.axvline(f32, color="gray", ls="--", lw=1)
+        for yi, r in zip(y, rows):
+            ax1.text(r["perplexity"] * 1.05, yi, f"{r['perplexity']:.4g}", va="center",
+                     fontsize=7)
+        ax1.set_xscale("log")
+        ax1.set_xlim(10, max(r["perplexity"] for r in rows) * 4)
+        ax1.set_xlabel("held-out perplexity (log; dashed: f32)", fontsize=9)
+        ax1.set_ylabel("codec  [bits per channel, all overhead]", fontsize=9)
+        ax1.tick_params(axis="x", labelsize=8)
+        ax1.legend(handles=[Patch(color=c, label=role)
+                            for role, c in ROLE_COLORS.items()],
+                   fontsize=7, loc="lower right")
         ctx = [t["context"] for t in timing]
         for name, label, style in TIMED:
             ax2.plot(ctx, [t[f"{name}_ms"] for t in timing], style, label=label)
         ax2.set_xscale("log", base=2)
-        ax2.set_xlabel("context (tokens)")
-        ax2.set_ylabel("decode attention, ms (median)")
-        ax2.legend(fontsize=7)
-        ax2.set_title(f"CPU XLA ({jax.default_backend()})", fontsize=8)
+        ax2.set_xticks(ctx, [f"{c // 1024}k" for c in ctx], fontsize=8)
+        ax2.minorticks_off()
+        ax2.tick_params(axis="y", labelsize=8)
+        ax2.set_xlabel("context (tokens)", fontsize=9)
+        ax2.set_ylabel("decode attention, ms (median)", fontsize=9)
+        ax2.legend(fontsize=8)
+        ax2.set_title(f"CPU XLA ({jax.default_backend()}), batch 1", fontsize=9)
     return draw
 
 
