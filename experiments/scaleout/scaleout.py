@@ -18,8 +18,10 @@ What runs: (1) SmolLM2-135M (embedded GGUF, real weights, f32) with the f32 dens
            x expert 2 and on expert 8; (3) decode and prefill throughput at data-parallel
            1/2/4/8 simulated devices on the same total batch; (4) a roofline model of a
            decode step on v5e-8 and 8xH200 for SmolLM2 and Llama-3.1-8B.
-Expected:  max |sharded - single| logits ~1e-5 (f32 summation order), identical greedy
-           tokens, no all-gather of a parameter or KV array; per-device KV bytes = total /
+Expected:  max |sharded - single| logits ~1e-4 of logits ~40 (f32 summation order) with
+           float caches; with TaSQ's 1-bit codes a few near-tie codes flip (a quantiser
+           is discontinuous), which moves logits by up to ~1: reported as the fraction of
+           codes written identically; identical greedy tokens, no all-gather of a parameter or KV array; per-device KV bytes = total /
            (dp x tp); measured DP throughput flat or lower (8 simulated devices share 2
            cores: this measures overhead, not speedup); modeled speedups per the roofline.
 """
@@ -42,7 +44,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         batch=8, prompt_len=48, decode_steps=8 if small else 32,
         layouts=((2, 3, 1), (8, 1, 1)),  # (data, tensor, expert)
         caches=("f32", "tasq", "paged"), paged_block_size=16,
-        tasq_seq_len=128, tasq_n_seqs=4, tasq_kmeans_iters=6))
+        tasq_seq_len=128, tasq_n_seqs=2, tasq_kmeans_iters=4))
     c.moe = ml_collections.ConfigDict(dict(
         dim=64, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=16, top_k=2,
         expert_ffn_dim=128, seq_len=128, batch_size=16, steps=150 if small else 1500,

@@ -38,8 +38,9 @@ shared partial block on write); unreferenced cached blocks are evicted LRU when 
 list runs short.
 
 What the engine does not do yet:
-- No sharding: one device; the model and cache state live in `self.pool` (PagedPool) so
-  a mesh can be added there.
+- Sharding is tensor (and expert) parallel only (`mesh=`: params and the pool's KV heads
+  split, research/sharding); rows are not split over a data axis, since any row may map
+  any block of the one pool (run one engine per data-parallel replica).
 - Speculative decoding only for greedy requests (sampled requests decode one token per
   step beside them) and only with prompt-lookup drafts; no draft model.
 - The decode step and the prefill chunks are two forward calls per step (not one fused
@@ -233,6 +234,8 @@ class ServingEngine:
     max_prefill_rows: prefill rows per step (default min(max_batch, budget // chunk)).
     max_queue: queued requests before add_request raises QueueFullError.
     speculative: prompt-lookup draft tokens per greedy decode step (0 = off).
+    mesh / rules: serve from sharded state on a `jax.sharding.Mesh` (see `PagedPool`:
+      tensor / expert parallel; `research.sharding.make_mesh(tensor=...)`).
     """
 
     def __init__(self, model: Model, tokenizer, *, n_blocks: int = 256, block_size: int = 16,
@@ -240,7 +243,8 @@ class ServingEngine:
                  prefill_chunk: int = 64, max_prefill_rows: int | None = None,
                  max_queue: int = 64, prefix_cache: bool = True, speculative: int = 0,
                  max_ngram: int = 3, stop_token_ids: Sequence[int] | None = None,
-                 implementation: str = "auto", interpret: bool = False, warmup: bool = True):
+                 implementation: str = "auto", interpret: bool = False, warmup: bool = True,
+                 mesh=None, rules=None):
         for name, value in (("max_batch", max_batch), ("token_budget", token_budget),
                             ("prefill_chunk", prefill_chunk), ("max_queue", max_queue),
                             ("max_ngram", max_ngram)):
@@ -257,7 +261,8 @@ class ServingEngine:
                              f"{-(-max_len // block_size) + 1} blocks of {block_size}")
         self.pool = PagedPool(model, n_blocks=n_blocks, block_size=block_size,
                               max_len=max_len, implementation=implementation,
-                              interpret=interpret, prefix_cache=prefix_cache)
+                              interpret=interpret, prefix_cache=prefix_cache, mesh=mesh,
+                              rules=rules)
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_batch, self.max_len = max_batch, max_len

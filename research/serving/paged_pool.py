@@ -37,11 +37,16 @@ class PagedPool:
     max_len: longest sequence (the block-table width is ceil(max_len / block_size)).
     prefix_cache: keep full blocks named by their token prefix after their sequence ends
       (`research.kv.prefix_cache`); evicted LRU when the free list runs short.
+    mesh: serve from sharded state (`research.sharding`): params split by `rules`
+      (default `POOL_RULES`: heads, FFN columns and vocabulary over "tensor", experts over
+      "expert"), the pool split by KV heads. Rows are not split: every row may map any
+      block (prefix sharing, rows re-bound each pass), so a mesh with a data axis > 1 is
+      refused (run one pool per data-parallel replica).
     """
 
     def __init__(self, model: Model, *, n_blocks: int, block_size: int = 16,
                  max_len: int = 512, implementation: str = "auto", interpret: bool = False,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, mesh=None, rules=None):
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         if max_len > model.config.max_position:
@@ -49,6 +54,14 @@ class PagedPool:
                              f"{model.config.max_position}")
         transform = paged.paged_kv_cache(block_size, n_blocks, implementation, interpret)
         self.model = transform.apply(model, transform.calibrate(model, None))
+        self.mesh = mesh
+        if mesh is not None:
+            from research.sharding import POOL_RULES, check_pool_mesh, shard_model
+            rules = POOL_RULES if rules is None else rules
+            check_pool_mesh(mesh, rules)
+            self.model = shard_model(self.model, mesh, rules)
+        elif rules is not None:
+            raise ValueError("rules without a mesh: pass mesh= too")
         self.block_size = block_size
         self.max_blocks = -(-max_len // block_size)
         self.max_len = max_len

@@ -14,11 +14,13 @@ from research.sharding.model import (ShardedKVCache, cache_state_specs, check_at
 from research.sharding.roofline import H200, SLICES, TPU_V5E, Chip
 from research.sharding.roofline import decode_step as modeled_decode_step
 from research.sharding.roofline import layouts as modeled_layouts
-from research.sharding.rules import (DATA, DEFAULT_RULES, EXPERT, MESH_AXES, TENSOR,
-                                     logical_spec, make_mesh, override_rules, rules_dict)
+from research.sharding.rules import (DATA, DEFAULT_RULES, EXPERT, MESH_AXES, POOL_RULES,
+                                     TENSOR, check_pool_mesh, logical_spec, make_mesh,
+                                     override_rules, rules_dict)
 from research.sharding.shapes import LLAMA31_8B, SMOLLM2_135M
 
-__all__ = ["DATA", "TENSOR", "EXPERT", "MESH_AXES", "DEFAULT_RULES", "make_mesh",
+__all__ = ["DATA", "TENSOR", "EXPERT", "MESH_AXES", "DEFAULT_RULES", "POOL_RULES",
+           "check_pool_mesh", "make_mesh",
            "logical_spec", "rules_dict", "override_rules", "ShardedKVCache", "shard_model",
            "shard_caches", "shard_cache_states", "cache_state_specs", "param_logical_axes",
            "param_specs", "check_attention_layout", "per_device_bytes", "place",

@@ -151,15 +151,14 @@ class ShardedKVCache(KVCache):
         return mesh_axes_size(self.mesh, self.head_axes)
 
     def state_specs(self, state) -> dict:
-        """Per state leaf: records [B or N, S, Hkv, ...] -> (batch, -, heads); the paged
-        table [B, M] and the window ring's positions [B, W] -> (batch, -)."""
-        out = {}
-        for name, x in state.items():
-            if name in (TABLE, "pos"):
-                out[name] = _leading_spec(x.ndim, self._b)
-            else:
-                out[name] = _leading_spec(x.ndim, self._b, {2: self._h})
-        return out
+        """Per state leaf: records [B or N, S, Hkv, ...] (and a codec's per-sequence
+        rings under "seq", [B, R, Hkv, D]) -> (batch, -, heads); 1-2-D leaves (the paged
+        table [B, M], the window ring's positions [B, W], ring positions) -> (batch, -)."""
+        def spec(x):
+            if x.ndim >= 3:
+                return _leading_spec(x.ndim, self._b, {2: self._h})
+            return _leading_spec(x.ndim, self._b)
+        return jax.tree.map(spec, state)
 
     def codec_specs(self, n_kv_heads: int):
         return jax.tree.map(
@@ -184,21 +183,18 @@ class ShardedKVCache(KVCache):
         shapes = jax.eval_shape(functools.partial(self.inner.init, batch, max_len,
                                                   n_kv_heads, head_dim))
         if isinstance(self.inner, PagedKVCache):
-            self._check(batch, n_kv_heads, next(iter(
-                v for k, v in shapes.items() if k != TABLE)).shape[0])
+            self._check(batch, n_kv_heads, _pool_size(shapes))
         else:
             self._check(batch, n_kv_heads)
-        shardings = {k: NamedSharding(self.mesh, s)
-                     for k, s in self.state_specs(shapes).items()}
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s),
+                                 self.state_specs(shapes))
         return jax.jit(functools.partial(self.inner.init, batch, max_len, n_kv_heads,
                                          head_dim), out_shardings=shardings)()
 
     def update_and_attend(self, state, q, k, v, *, start, n_new, window):
         b, _, hq, _ = q.shape
         hkv = k.shape[2]
-        n_pool = None
-        if isinstance(self.inner, PagedKVCache):
-            n_pool = next(x for n, x in state.items() if n != TABLE).shape[0]
+        n_pool = _pool_size(state) if isinstance(self.inner, PagedKVCache) else None
         self._check(b, hkv, n_pool)
         act = P(self._b, None, self._h, None)
         row = P(self._b)
@@ -240,6 +236,12 @@ class ShardedKVCache(KVCache):
 
     def describe(self):
         return f"sharded({self.dp}x{self.tp})[{self.inner.describe()}]"
+
+
+def _pool_size(state: dict) -> int:
+    """Blocks in a paged layer state's pools (records only: not the table, not "seq")."""
+    from research.kv.codec import SEQ
+    return next(x for n, x in state.items() if n not in (TABLE, SEQ)).shape[0]
 
 
 def _flat_axis_index(axes: tuple, mesh: Mesh):
@@ -333,12 +335,11 @@ def shard_cache_states(model, states) -> tuple:
     for i, (c, s, sp) in enumerate(zip(model.caches, states, specs)):
         if not isinstance(c, ShardedKVCache):
             raise TypeError(f"layer {i}'s cache is not sharded: call shard_model first")
-        lead = next(x for n, x in s.items() if n not in ("pos", TABLE)).shape[0]
         if isinstance(c.inner, PagedKVCache):
-            c._check(s[TABLE].shape[0], model.config.n_kv_heads, lead)
+            c._check(s[TABLE].shape[0], model.config.n_kv_heads, _pool_size(s))
         else:
-            c._check(lead, model.config.n_kv_heads)
-        out.append({n: place(x, NamedSharding(c.mesh, sp[n])) for n, x in s.items()})
+            c._check(jax.tree.leaves(s)[0].shape[0], model.config.n_kv_heads)
+        out.append(jax.tree.map(lambda x, p: place(x, NamedSharding(c.mesh, p)), s, sp))
     return tuple(out)
 
 

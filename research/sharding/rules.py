@@ -135,3 +135,22 @@ def override_rules(rules: Sequence = DEFAULT_RULES, **changes) -> tuple:
         raise ValueError(f"override_rules: unknown logical axes {sorted(unknown)} "
                          f"(known: {sorted(table)})")
     return tuple((k, changes.get(k, v if v else None)) for k, v in table.items())
+
+
+# A serving pool shared by every row (prefix cache, rows re-bound each pass): rows and
+# blocks are not split, everything else as DEFAULT_RULES.
+POOL_RULES = override_rules(DEFAULT_RULES, batch=None, blocks=None)
+
+
+def check_pool_mesh(mesh: Mesh, rules: Sequence = POOL_RULES) -> None:
+    """A shared paged pool splits over KV heads only: refuse rules that split rows or
+    blocks, and a data axis > 1 (it would replicate every step's work)."""
+    table = rules_dict(rules)
+    split = [n for n in ("batch", "blocks")
+             if any(mesh.shape.get(a, 1) > 1 for a in table.get(n, ()))]
+    if split:
+        raise ValueError(f"a shared paged pool cannot split {split} over the mesh (any row "
+                         "may map any block): use POOL_RULES (batch=None, blocks=None)")
+    if mesh.shape.get(DATA, 1) > 1:
+        raise ValueError(f"mesh has data={mesh.shape[DATA]}: a serving pool is tensor / "
+                         "expert parallel only; run one engine per data-parallel replica")
