@@ -18,12 +18,15 @@ import ml_collections
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    small = arg == "small"
+    if arg not in ("small", "full", "dev"):
+        raise ValueError(f"config arg must be 'small', 'full' or 'dev', got {arg!r}")
+    small = arg != "full"
     c = ml_collections.ConfigDict()
     c.experiment = "experiments.tasq.experiment"
     c.run_name = f"tasq_{arg}"
+    # dev: post- vs pre-RoPE keys on the dev half of the held-out text (the default key
+    # space is the winner); small / full: every codec on the test half, scored once
+    c.split = "dev" if arg == "dev" else "test"
     c.seed = 0
     c.gguf_path = ""
     c.calibration = ml_collections.ConfigDict(dict(
