@@ -2,9 +2,12 @@
 research.core.timing)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -76,6 +79,24 @@ def git_state(repo: str | Path | None = None) -> dict:
     paths = [line[3:] for line in status.splitlines() if line.strip()]
     return {"commit": commit, "dirty": bool(paths), "dirty_count": len(paths),
             "dirty_paths": paths[:MAX_DIRTY_PATHS]}
+
+
+@contextlib.contextmanager
+def bench_lock():
+    """Hold the machine's benchmark lock (an flock on the file named by $SERVAX_BENCH_LOCK)
+    while timing, so timings on a shared machine are not taken while another job times;
+    a no-op when the variable is unset. Lets a long run hold the lock only for its timed
+    section instead of wrapping the whole command in `flock`."""
+    path = os.environ.get("SERVAX_BENCH_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def fmt(x) -> str:

@@ -1,16 +1,17 @@
 r"""SpecScale vs best-of-N and beam search on verifiable arithmetic chains (SmolLM2-135M).
 
 Command:   python -m experiments.run --config=experiments/specscale/specscale.py:small
-Hardware:  small = CPU (2 cores), 24 problems, ~10 minutes on an idle machine (much longer
-           when other jobs share the cores); full = 200 problems + ablations (GPU/TPU
-           or a long CPU run).
-Expected:  single-sample accuracy well below 1 (the task is "sometimes" solvable); every
-           verifier-guided search above it; SpecScale at least 2x the problems/s of beam
-           search with per-step verification at equal accuracy (within 1 point), and a
-           peak KV-block count well below the no-sharing baseline. The table states the
-           95% Wilson interval of every accuracy: with 24 problems it is about +-20
-           points, so the small run cannot resolve a 1-point accuracy difference (the
-           claims table says so); use `full` for that.
+Hardware:  small = CPU (2 cores), 24 test problems, no ablations (about an hour on a
+           shared, loaded machine); full = 200 test problems + ablations (GPU/TPU or a
+           long CPU run); dev = 24 dev problems (where the defaults are chosen).
+Expected:  3-step chains of 2-digit numbers: one sample is mostly wrong; every
+           verifier-guided method checks each line with the exact process verifier
+           (ProcessVerifier) beside the likelihood verifier; target: the best search beats
+           greedy by >= 10 points with non-overlapping 95% Wilson intervals (full), and
+           SpecScale reaches that accuracy at >= 2x the problems/s of beam search with
+           per-step verification; peak KV blocks well below the no-sharing baseline; the
+           SpecScale run with f32, bf16 and TaSQ 1-bit codes in the pages (peak KV bytes).
+           With 24 problems the intervals are +-15-20 points.
 """
 import ml_collections
 
@@ -53,15 +54,15 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.specscale = ml_collections.ConfigDict(dict(
         defer=1, reject_below=None, prune_margin=2.0, prune_token_logp=-6.0, dedup=True,
         process_prune=True))
-    c.ablations = ("-process_prune",) if small else ("-process_prune", "+defer", "+reject",
-                                                      "-prune", "-dedup")
+    # (small: none, to fit a shared 2-core machine)
+    c.ablations = () if small else ("-process_prune", "+defer", "+reject", "-prune", "-dedup")
     # every method first runs once untimed over all problems: JAX compiles each batch shape
     # on first use and that cost differs between methods (measured: subtracting the
     # compile events alone under-counts it)
     c.warmup_pass = True
     # peak KV blocks: beam with and without prefix sharing and SpecScale, on the first
     # `memory_problems` problems (the no-sharing pool copies every fork, so it is big)
-    c.memory_problems = 8
+    c.memory_problems = 4 if small else 8
     c.no_sharing_n_blocks = 4096
     # SpecScale on the same pool holding each KV codec's records in pages: f32, bf16 and
     # TaSQ 1-bit codes (calibrated on the calibration split, never on the task problems)

@@ -64,3 +64,19 @@ def test_every_experiment_declares_the_protocol(name):
     config = importlib.import_module(f"experiments.{name}.{name}").get_config("small")
     assert protocol.validate(module, config) == "test"
     assert module.DEFAULTS_CHOSEN_ON
+
+
+def test_bench_lock_holds_the_named_file(tmp_path, monkeypatch):
+    import fcntl
+    from experiments import common
+    lock = tmp_path / "bench.lock"
+    monkeypatch.setenv("SERVAX_BENCH_LOCK", str(lock))
+    with common.bench_lock():
+        with open(lock) as f:  # another holder cannot take it meanwhile
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock) as f:  # released afterwards
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    monkeypatch.delenv("SERVAX_BENCH_LOCK")
+    with common.bench_lock():  # unset: a no-op
+        pass
