@@ -128,8 +128,10 @@ def run_interleaved(ctx, problems, cfgs, config) -> dict[str, SearchResult]:
     g = config.group_size
     groups = [problems[i:i + g] for i in range(0, len(problems), g)]
     if config.get("warmup_pass", False):  # compile every batch shape; results discarded
+        timed = tuple(config.get("warmup_methods", ()))  # () = every method
+        warm = [c for c in cfgs if not timed or c.method in timed]
         for group in tqdm(groups, desc="warm-up pass"):
-            for cfg in cfgs:
+            for cfg in warm:
                 run_search(ctx, group, cfg, seed=config.seed, group_size=g)
     parts: dict[str, list] = {c.label: [] for c in cfgs}
     with tqdm(total=len(groups) * len(cfgs), desc="groups x methods") as bar:

@@ -21,6 +21,7 @@ from research.specscale import (ArithmeticChains, PagedEngine, SearchContext, be
                                 run_search, single_sample)
 
 SETTINGS = {  # name: (n_steps, start_range, operand_range)
+    "2x1digit": (2, (2, 9), (1, 9)),  # the pre-protocol task
     "3x2digit": (3, (10, 99), (10, 99)),
     "3x1digit": (3, (10, 99), (2, 9)),
     "4x1digit": (4, (10, 49), (2, 9)),
@@ -35,6 +36,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/specscale_dev_difficulty")
     args = ap.parse_args(argv)
     git = common.git_state()
+    t_start = time.perf_counter()
     model, tok = load(None)
     rows = []
     for name in args.settings.split(","):
@@ -62,7 +64,10 @@ def main(argv=None) -> None:
     (out / "results.json").write_text(json.dumps({
         "command": "python -m experiments.specscale.dev.difficulty " + " ".join(
             sys.argv[1:] if argv is None else argv), "git": git, "split": "dev",
-        "seed": 1000, "rows": rows, "versions": common.versions()}, indent=2))
+        "config": vars(args), "seed": 1000, "rows": rows, "versions": common.versions(),
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+        "protocol": {"technique": "specscale", "split": "dev", "test_scorings": None}},
+        indent=2))
 
 
 if __name__ == "__main__":
