@@ -203,7 +203,7 @@ def test_specscale_serves_a_tasq_1bit_model_from_pages_of_codes(char_model, char
     from research.transforms import CalibrationData, calibrate_and_apply
     rng = np.random.default_rng(0)
     cal = CalibrationData.from_ids(rng.integers(32, 127, 256), 64, 4)
-    cfg = TaSQConfig(bits=1, kmeans_iters=2, max_points=256)
+    cfg = TaSQConfig(bits=1, kmeans_iters=2, max_points=256, key_space="post_rope")
     model, _ = calibrate_and_apply(tasq(cfg), char_model, cal)
     f32 = PagedEngine(char_model, n_blocks=400, block_size=8, max_len=512)
     eng = PagedEngine(model, n_blocks=400, block_size=8, max_len=512, temperature=0.0)
