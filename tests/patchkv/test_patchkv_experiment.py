@@ -72,7 +72,7 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     mc = tiny_config(vocab_size=97, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96)
     model = make_model(mc, init_params(mc, jax.random.key(0)))
     other = CalibrationData.from_ids(np.random.default_rng(0).integers(0, 97, 4 * 64), 64, 4)
-    quantizer = tasq(TaSQConfig(kmeans_iters=3, max_points=256))
+    quantizer = tasq(TaSQConfig(kmeans_iters=3, max_points=256, key_space="post_rope"))
     quantizers = {"tasq-1bit": frozen(quantizer, quantizer.calibrate(model, other))}
     ids = np.asarray(jax.random.randint(jax.random.key(1), (400,), 0, 97))
     task = tasks.continuation_tasks(ids, n_contexts=1, context_len=96, n_continuations=3,
