@@ -30,11 +30,20 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.run_name = f"patchkv_{arg}"
     c.seed = 0
     c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
+    # Evaluation text: empty = the held-out prose of pydoc_data.topics; else a UTF-8 file
+    # (its tokens are split the same way). The probes' text rows always come from the
+    # pydoc calibration split.
+    c.text_path = ""
+    # "dev": contexts from the first half of the evaluation text (retrieval seeds 1000+),
+    # "test": the second half (seeds 0+); disjoint by construction and checked. Defaults
+    # are chosen on dev runs; test runs are scored once with the final defaults.
+    c.split = "test"
     # Compressions: eviction policy names (research.eviction.POLICIES), each an
     # evict(name, budget) press; quantizers below.
     c.compressions = (("snapkv", "streaming_llm") if small else
                       ("snapkv", "streaming_llm", "h2o", "random", "knorm"))
     c.budgets = (0.1, 0.25) if small else (0.1, 0.25, 0.5)
+    c.patched_budgets = ()  # budgets that get the methods other than the press alone; () = all
     # Methods: per-context steps chained after each press (experiment.STEPS), so a method
     # is chain(press, *steps): () the press alone ("none"), ("patchkv",), the GRKV / AM
     # value refits, and ("grkv", "patchkv"): the refit cache with a PatchKV patch fit
@@ -50,7 +59,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.continuation = ml_collections.ConfigDict(dict(
         n_contexts=2 if small else 4, context_len=512 if small else 1024,
         n_continuations=8, continuation_len=64,
-        offset=0))  # token offset into the held-out split (0 = the test contexts)
+        offset=0))  # token offset inside the split's half of the text
     c.retrieval = ml_collections.ConfigDict(dict(
         n_contexts=2 if small else 4, n_facts=4 if small else 6,
         context_len=512 if small else 1024, max_new_tokens=6,
@@ -88,6 +97,15 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.patch_ffn = True
     c.ridge_selection = "holdout"
     c.ridge_ranks = ()  # reduced ranks competing with full rank (dev: full rank won ~all)
+    # Rank cap of every patch (0: none, dense f32 deltas of 1.3 + 3.5 MB per layer): the
+    # patch is fit by reduced-rank ridge at this rank and stored as its two factors
+    # (r * (d_in + d_out) numbers), so its bytes do not grow with the context and can be
+    # set against the KV an eviction press saves (research/patchkv/budget.py). Chosen on
+    # the dev split (experiments/patchkv/README.md) by a rule fixed before the dev run:
+    # among ranks 16 / 32 / 64 whose f32 patch + SnapKV-10% KV takes fewer bytes than
+    # SnapKV-25% alone on the 4k-token dev context, the lowest dev continuation ppl (the
+    # smaller rank when within 1%).
+    c.patch_rank = 32
     # Global patch scales competing on held-out probe rows by KL(reference || patched);
     # 0 (no patch) always competes: the model-level "do no harm" guard.
     c.patch_strengths = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # = patch.DEV_STRENGTHS

@@ -15,9 +15,12 @@ Per-context transforms (research/transforms.py): `patchkv`, and the cache-side b
 from research.patchkv.baselines import (METHODS as REFIT_METHODS, RefitKVCache, am, grkv,
                                         refit_values, value_refit)
 from research.patchkv.patch import (DEV_QUERY_SCALES, DEV_STRENGTHS, TARGETS, LayerFit,
-                                    PatchState, apply_patch, fit_patches, patch_nbytes,
-                                    patched_params, patchkv, select_query_scale,
-                                    select_strength, summarize)
+                                    LowRank, PatchState, apply_patch, cast_patch,
+                                    cast_state, dense, fit_patches, patch_nbytes,
+                                    patched_params, patchkv, scale_patch, select_query_scale,
+                                    select_strength, stored_nbytes, summarize)
+from research.patchkv.budget import (break_even_tokens, cache_nbytes, cast_states,
+                                     per_token_bytes)
 from research.patchkv.probes import (ProbeConfig, ProbedContext, ProbeSet, as_probed,
                                      probe_context, reference_model)
 from research.patchkv.ridge import RidgeConfig, RidgeFit, fit_ridge
@@ -31,7 +34,9 @@ from research.patchkv.tasks import (ContinuationTask, RetrievalTask, continuatio
 __all__ = [
     "patchkv", "fit_patches", "apply_patch", "patched_params", "patch_nbytes", "summarize",
     "select_strength", "select_query_scale", "PatchState", "LayerFit", "TARGETS",
-    "DEV_STRENGTHS", "DEV_QUERY_SCALES",
+    "DEV_STRENGTHS", "DEV_QUERY_SCALES", "LowRank", "dense", "scale_patch", "cast_patch",
+    "cast_state", "stored_nbytes",
+    "cache_nbytes", "cast_states", "per_token_bytes", "break_even_tokens",
     "ProbeConfig", "ProbedContext", "ProbeSet", "probe_context", "as_probed",
     "reference_model",
     "RidgeConfig", "RidgeFit", "fit_ridge",

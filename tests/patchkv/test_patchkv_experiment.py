@@ -87,11 +87,24 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
                        ProbeConfig(n_generated=8, length=12), RidgeConfig(), quantizers,
                        records, bar, index=3)
     methods = [(r["compression"], r["method"]) for r in records]
-    assert methods == [("full", "full")] + [("snapkv", ex.method_name(m))
-                                            for m in config.methods] + [
-        ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"), ("snapkv", "patchkv[rank64]"),
-        ("snapkv", "patchkv[no_strength]"), ("snapkv", "patchkv[no_ffn]")]
-    records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"],
+    press_rows = [("snapkv", n) for m in map(ex.method_name, config.methods)
+                  for n in ((m, m + "@bf16") if m.endswith("patchkv") else (m,))]
+    assert methods == [("full", "full")] + press_rows + [
+        ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"),
+        ("snapkv", "patchkv[rank64]"), ("snapkv", "patchkv[no_strength]"),
+        ("snapkv", "patchkv[no_ffn]")]
+    # bytes of real arrays: the bf16-stored patch is half the f32 one; totals add up
+    by = {r["method"]: r for r in records if r["compression"] == "snapkv"}
+    full = records[0]
+    assert full["kv_bytes"] > by["none"]["kv_bytes"] > 0
+    assert by["none"]["kv_bytes_bf16"] < by["none"]["kv_bytes"]
+    if by["patchkv"]["patch_bytes"]:
+        assert by["patchkv@bf16"]["patch_bytes"] * 2 == by["patchkv"]["patch_bytes"]
+        even = ex.break_even([dict(r, context=0) for r in records])
+        assert {e["storage"] for e in even} == {"f32", "bf16"}
+        assert all(e["vs_full"] > 0 for e in even)
+    records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"
+                           and not r["method"].endswith("@bf16")],
                           [r for r in records if r["compression"] == "tasq-1bit"])
     # quantised caches: the W_q scale competes (eviction: none), budget = KV byte fraction
     assert min(abs(tasq_rows[1]["query_scale"] - t)
