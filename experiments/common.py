@@ -106,9 +106,11 @@ def render_markdown(report: Report) -> str:
 
 
 def write_results(report: Report, out_dir: Path, config_dict: dict, seed: int,
-                  argv: Sequence[str], elapsed_s: float, git: dict | None = None) -> None:
-    """Write results.json (with config, seed, versions, git state, command, elapsed),
-    table.md and plot.png into out_dir.
+                  argv: Sequence[str], elapsed_s: float, git: dict | None = None,
+                  protocol: dict | None = None) -> None:
+    """Write results.json (with config, seed, versions, git state, command, elapsed, and
+    the dev/test protocol block of experiments/protocol.py), table.md and plot.png into
+    out_dir.
 
     `git` is `git_state()` taken when the run started (the code that ran); when None it
     is taken now.
@@ -117,7 +119,7 @@ def write_results(report: Report, out_dir: Path, config_dict: dict, seed: int,
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"title": report.title, "config": config_dict, "seed": seed,
                "versions": versions(), "git": git if git is not None else git_state(),
-               "command": " ".join(argv),
+               "command": " ".join(argv), "protocol": protocol,
                "elapsed_s": round(elapsed_s, 2), "columns": list(report.columns),
                "rows": report.rows, "claims": report.claims, "notes": report.notes,
                "extra": report.extra}

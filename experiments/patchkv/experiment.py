@@ -28,6 +28,20 @@ from research.serving.generate import default_stop_tokens
 from research.tasq import TaSQConfig, tasq
 from research.transforms import CalibrationData, Transform, calibrate_and_apply, chain, frozen
 
+# the dev/test protocol (experiments/protocol.py)
+TECHNIQUE = "patchkv"
+DEFAULTS_CHOSEN_ON = ("python -m experiments.patchkv.dev.sweep; python -m "
+                      "experiments.patchkv.dev.retrieval (dev contexts, see patchkv.py)")
+
+
+def defaults(config) -> dict:
+    return {k: (config[k].to_dict() if hasattr(config[k], "to_dict") else config[k])
+            for k in ("probes", "patch_ffn", "ridge_selection", "ridge_ranks",
+                      "patch_strengths", "patch_target", "quantizer_patch_target",
+                      "quantizer_query_scales")} | {"retrieval_probes":
+                                                    config.retrieval.probes.to_dict()}
+
+
 TARGET_COMPRESSIONS = ("snapkv", "streaming_llm", "tasq-1bit")
 TARGET_BUDGETS = (0.1, 0.25)
 # The memory target (issue 28): the press at SMALL_BUDGET with its patch takes fewer total

@@ -23,6 +23,19 @@ from research.specdecode import (DraftLengthPolicy, chisquare_pvalue, early_exit
                                  prompt_lookup, speculative_generate)
 
 
+# the dev/test protocol (experiments/protocol.py)
+TECHNIQUE = "specdecode"
+DEFAULTS_CHOSEN_ON = "python -m experiments.run --config=experiments/specdecode/specdecode.py:dev"
+
+
+def defaults(config) -> dict:
+    import dataclasses
+    policy = {k: v for k, v in dataclasses.asdict(DraftLengthPolicy()).items()
+              if k not in ("costs",)}
+    return {"policy": policy, "draft_lengths": list(config.draft_lengths),
+            "max_ngram": config.max_ngram}
+
+
 def _ids(tok, prompt):
     text, chat = prompt
     if chat:

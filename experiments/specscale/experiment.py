@@ -14,6 +14,17 @@ from research.specscale import (ArithmeticChains, PagedEngine, SearchConfig, Sea
                                 paired_bootstrap_diff, run_search, single_sample, specscale,
                                 step_auroc, wilson_interval)
 
+# the dev/test protocol (experiments/protocol.py)
+TECHNIQUE = "specscale"
+DEFAULTS_CHOSEN_ON = ("python -m experiments.run "
+                      "--config=experiments/specscale/specscale.py:dev")
+
+
+def defaults(config) -> dict:
+    return {"temperature": config.engine.temperature, "specscale": config.specscale.to_dict(),
+            "beam": config.beam.to_dict(), "best_of_n": config.best_of_n}
+
+
 COLUMNS = ["method", "accuracy", "acc_95ci", "problems/s", "wall_s", "compile_s",
            "generated_tokens", "tokens_computed", "forward_calls", "verifier_judgements",
            "verifier_tokens", "verify_calls", "peak_kv_blocks", "peak_kv_MiB"]

@@ -26,6 +26,17 @@ from research.tasq import (CQCodec, TaSQConfig, attention_output_error, bits_per
 from research.model.precision import kv_cache_dtype
 from research.transforms import CalibrationData, calibrate_and_apply, chain
 
+# the dev/test protocol (experiments/protocol.py)
+TECHNIQUE = "tasq"
+DEFAULTS_CHOSEN_ON = "python -m experiments.run --config=experiments/tasq/tasq.py:dev"
+
+
+def defaults(config) -> dict:
+    """TaSQ's library defaults (TaSQConfig), the key space among them."""
+    return {k: v for k, v in TaSQConfig().to_dict().items()
+            if k not in ("implementation", "interpret")}
+
+
 BF16 = "bf16"
 TASQ = "TaSQ (1 bit)"
 TASQ_PRE = "TaSQ (1 bit, pre-RoPE keys)"
