@@ -30,13 +30,15 @@ from research.transforms import CalibrationData, Transform, calibrate_and_apply,
 
 # the dev/test protocol (experiments/protocol.py)
 TECHNIQUE = "patchkv"
-DEFAULTS_CHOSEN_ON = ("python -m experiments.patchkv.dev.sweep; python -m "
-                      "experiments.patchkv.dev.retrieval (dev contexts, see patchkv.py)")
+DEFAULTS_CHOSEN_ON = (
+    "python -m experiments.patchkv.dev.sweep; python -m experiments.patchkv.dev.retrieval "
+    "(dev contexts, see patchkv.py); patch_rank: results/patchkv_4k_dev "
+    "(experiments/patchkv/README.md)")
 
 
 def defaults(config) -> dict:
     return {k: (config[k].to_dict() if hasattr(config[k], "to_dict") else config[k])
-            for k in ("probes", "patch_ffn", "ridge_selection", "ridge_ranks",
+            for k in ("probes", "patch_ffn", "ridge_selection", "ridge_ranks", "patch_rank",
                       "patch_strengths", "patch_target", "quantizer_patch_target",
                       "quantizer_query_scales")} | {"retrieval_probes":
                                                     config.retrieval.probes.to_dict()}
@@ -532,20 +534,25 @@ def ridge_config(config) -> RidgeConfig:
                        ranks=tuple(config.get("ridge_ranks", ())))
 
 
-def evaluation_ids(tok, config) -> tuple[np.ndarray, tuple[int, int], int, str]:
-    """(token ids of the config's split, its [start, end) in the whole text, the whole
-    text's length in tokens, the text's name): the held-out pydoc prose, or the file at
-    `text_path`; dev is the first half, test the second (research.patchkv.tasks
-    .split_range)."""
+def evaluation_ids(tok, config) -> tuple[np.ndarray, tuple[int, int] | None, int, str]:
+    """(token ids of the config's split, its [start, end) token range in the file or None,
+    the whole text's length in tokens, the text's name). The pydoc prose: the protocol's
+    dev / test halves of the held-out topics (`research.data.corpus_text`, disjoint by
+    topic hash, checked on every read). A file at `text_path`: its first / second half
+    of tokens (research.patchkv.tasks.split_range; contexts checked to stay inside)."""
     path = config.get("text_path", "")
-    ids = np.asarray(tok.encode(data.load_text(path or None)), np.int32)
+    if not path:
+        ids = np.asarray(tok.encode(data.corpus_text(config.split)), np.int32)
+        return ids, None, len(ids), f"pydoc held-out prose, {config.split} half (topics)"
+    ids = np.asarray(tok.encode(data.load_text(path)), np.int32)
     lo, hi = split_range(len(ids), config.split)
-    return ids[lo:hi], (lo, hi), len(ids), path or "pydoc held-out prose"
+    return ids[lo:hi], (lo, hi), len(ids), path
 
 
 def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
-    split_ids, (lo, hi), n_text, text_name = evaluation_ids(tok, config)
+    split_ids, token_range, n_text, text_name = evaluation_ids(tok, config)
+    lo = token_range[0] if token_range else 0
     probe_cfg = ProbeConfig(**config.probes.to_dict(), seed=config.seed)
     chat_probe_cfg = chat_probes(probe_cfg, config, tok)
     ridge_cfg = ridge_config(config)
@@ -553,7 +560,8 @@ def run(config, out_dir=None) -> common.Report:
     cont = (continuation_tasks(split_ids, **config.continuation.to_dict())
             if config.continuation.n_contexts else [])
     windows = [(lo + w[0], lo + w[1]) for w in (t.window for t in cont)]
-    check_windows_in_split(windows, n_text, config.split)
+    if token_range:  # a file split by token halves: contexts stay in their half
+        check_windows_in_split(windows, n_text, config.split)
     r = config.retrieval
     seed0 = config.seed + (0 if config.split == "test" else DEV_RETRIEVAL_SEEDS)
     retr = [retrieval_task(tok, split_ids, n_facts=r.n_facts, context_len=r.context_len,
@@ -589,8 +597,9 @@ def run(config, out_dir=None) -> common.Report:
     even = break_even(records)
     full_kv = [rec["kv_bytes"] for rec in records if rec["method"] == "full"]
     notes = [
-        f"split {config.split!r} of {text_name} ({n_text} tokens; dev = first half, test = "
-        f"second half): {len(cont)} continuation context(s) at token windows {windows} x "
+        f"split {config.split!r} of {text_name} ({n_text} tokens"
+        + (f"; this split: tokens {list(token_range)}" if token_range else "")
+        + f"): {len(cont)} continuation context(s) at token windows {windows} x "
         f"{config.continuation.n_continuations} continuations of "
         f"{config.continuation.continuation_len} tokens; {len(retr)} retrieval context(s) "
         f"x {r.n_facts} questions (seeds {seed0}+). ppl over continuation tokens 1..m-1.",
@@ -634,5 +643,7 @@ def run(config, out_dir=None) -> common.Report:
         extra={"records": records, "gap_closed": closed,
                "gap_closed_per_context": per_context, "flops": flops,
                "break_even": even, "split": config.split, "text": text_name,
-               "text_tokens": n_text, "split_range": [lo, hi], "windows": windows},
+               "text_tokens": n_text,
+               "split_range": list(token_range) if token_range else None,
+               "windows": windows},
         notes=notes, plot=make_plot(rows, config))

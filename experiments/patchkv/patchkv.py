@@ -34,9 +34,11 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     # (its tokens are split the same way). The probes' text rows always come from the
     # pydoc calibration split.
     c.text_path = ""
-    # "dev": contexts from the first half of the evaluation text (retrieval seeds 1000+),
-    # "test": the second half (seeds 0+); disjoint by construction and checked. Defaults
-    # are chosen on dev runs; test runs are scored once with the final defaults.
+    # "dev" / "test" (docs/protocol.md): the pydoc prose's dev / test halves of the
+    # held-out topics (research.data.corpus_text), or a text_path file's first / second
+    # half of tokens; retrieval seeds 1000+ on dev, 0+ on test. Disjoint by construction
+    # and checked. Defaults are chosen on dev runs; test runs are scored once with the
+    # final defaults and counted in results/ledger/patchkv.json.
     c.split = "test"
     # Compressions: eviction policy names (research.eviction.POLICIES), each an
     # evict(name, budget) press; quantizers below.
