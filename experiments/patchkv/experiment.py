@@ -19,11 +19,10 @@ from research.kv.base import state_nbytes
 from research.model import load
 from research.patchkv import (ContextCache, ProbeConfig, RidgeConfig, am, answer_queries,
                               attention_error, break_even_tokens, cache_nbytes, cast_state,
-                              continuation_tasks, decode_flops, exact_match, grkv,
-                              param_shapes, patch_nbytes, patchkv, prefill_batch,
-                              probe_context, reference_model, reply_prefix, retrieval_task,
-                              score_continuations, summarize)
-from research.patchkv.tasks import check_windows_in_split, split_range
+                              check_windows_in_split, continuation_tasks, decode_flops,
+                              exact_match, grkv, param_shapes, patch_nbytes, patchkv,
+                              prefill_batch, probe_context, reference_model, reply_prefix,
+                              retrieval_task, score_continuations, split_range, summarize)
 from research.serving.generate import default_stop_tokens
 from research.tasq import TaSQConfig, tasq
 from research.transforms import CalibrationData, Transform, calibrate_and_apply, chain, frozen

@@ -28,8 +28,9 @@ from research.patchkv.session import (ContextCache, ContinuationScore, answer_qu
                                       attention_error, decode_flops, pad_rows, param_shapes,
                                       prefill_batch, prefill_context, query_forward,
                                       score_continuations, tile_states)
-from research.patchkv.tasks import (ContinuationTask, RetrievalTask, continuation_tasks,
-                                    exact_match, reply_prefix, retrieval_task)
+from research.patchkv.tasks import (SPLITS, ContinuationTask, RetrievalTask,
+                                    check_windows_in_split, continuation_tasks, exact_match,
+                                    reply_prefix, retrieval_task, split_range)
 
 __all__ = [
     "patchkv", "fit_patches", "apply_patch", "patched_params", "patch_nbytes", "summarize",
@@ -45,5 +46,6 @@ __all__ = [
     "pad_rows", "query_forward", "score_continuations", "answer_queries", "attention_error",
     "decode_flops", "param_shapes",
     "ContinuationTask", "RetrievalTask", "continuation_tasks", "retrieval_task",
+    "SPLITS", "split_range", "check_windows_in_split",
     "reply_prefix", "exact_match",
 ]
