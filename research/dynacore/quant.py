@@ -146,19 +146,23 @@ def quantize_weight(w: jax.Array, config: QuantConfig, name: str = "weight"
     if config.weight_bits == 4 and k % config.group_size:
         raise ValueError(f"{name}: group_size={config.group_size} does not divide the input "
                          f"dim {k} of its [{k}, {n}] weight")
-    qvalue, scale, zero = _quantize_arrays(jnp.asarray(w), config.weight_bits,
-                                           config.group_size, config.zero_point)
+    qvalue, scale, zero, finite = _quantize_arrays(jnp.asarray(w), config.weight_bits,
+                                                   config.group_size, config.zero_point)
+    if not bool(finite):
+        raise ValueError(f"{name}: non-finite values (NaN/inf) in the float weight: "
+                         "refusing to quantize (its scales would be NaN)")
     check_finite_scale(scale, name)
     return QuantizedLinear(qvalue, scale, zero, config, (k, n))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _quantize_arrays(w, bits: int, group_size: int | None, zero_point: bool):
-    """(codes, f32 scale, zero or None) of a float [K, N] weight, through qwix."""
+    """(codes, f32 scale, zero or None, all-finite flag) of a float [K, N] weight, via qwix."""
     w32 = w.astype(jnp.float32)
+    finite = jnp.isfinite(w32).all()
     if bits == 8:
         qa = qwix.quantize(w32, jnp.int8, channelwise_axes=(1,))
-        return qa.qvalue, qa.scale.reshape(1, -1), None
+        return qa.qvalue, qa.scale.reshape(1, -1), None, finite
     method = "minmax" if zero_point else "absmax"
     qa = qwix.quantize(w32, jnp.int4, channelwise_axes=(1,), tiled_axes={0: group_size},
                        calibration_method=method)
@@ -166,7 +170,7 @@ def _quantize_arrays(w, bits: int, group_size: int | None, zero_point: bool):
     zero = None
     if zero_point:
         zero = (qa.zero_point.astype(jnp.int32) + 8).astype(jnp.uint8)
-    return pack_int4(codes, group_size), qa.scale.astype(jnp.float32), zero
+    return pack_int4(codes, group_size), qa.scale.astype(jnp.float32), zero, finite
 
 
 def check_finite_scale(scale, name: str) -> None:
