@@ -24,6 +24,9 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.experiment = "experiments.dynacore.experiment"
     c.run_name = f"dynacore_{arg}"
     c.seed = 0
+    # reuse sections a previous run of this config saved in its out dir (section_*.json,
+    # each with its git state; results.json lists the reused ones)
+    c.reuse_sections = False
     c.gguf_path = ""
     c.quality = ml_collections.ConfigDict(dict(
         window=256, n_prefill=128, dev_windows=4 if small else 8,

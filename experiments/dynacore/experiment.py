@@ -20,10 +20,11 @@ import numpy as np
 from experiments import common
 from research import data
 from research.core.timing import time_fn
-from research.dynacore import (dynacore, quantize, w4a16, w8a8, w8a16, weight_bytes)
-from research.dynacore import disagg, roofline
-from research.dynacore.handoff import DecodeProcess
-from research.dynacore.quality import evaluate_pairs, windows
+from research.dynacore import (BF16, GPUS, H200, LINKS, LLAMA_31_70B, W4A16_G64, W8A8,
+                               DecodeProcess, Pool, crossover_tokens, dynacore,
+                               evaluate_pairs, kv_bytes, quantize, request_cost,
+                               tasq_codebook_bytes, tpot_s, transfer_s, ttft_s, w4a16, w8a8,
+                               w8a16, weight_bytes, windows)
 from research.model import default_gguf_path, load
 from research.serving.generate import decode_loop, prefill
 from research.serving.sampling import SamplingConfig
@@ -164,21 +165,21 @@ def speed(config, out_dir, w4name):
 
 def roofline_tables(config):
     r = config.roofline
-    c = disagg.LLAMA_31_70B
+    c = LLAMA_31_70B
     kw = dict(n_gpus=r.n_gpus, mfu=r.mfu, mbu=r.mbu)
     pre, dec = [], []
-    for gname, gpu in roofline.GPUS.items():
+    for gname, gpu in GPUS.items():
         for p in r.prompts:
-            bf = roofline.ttft_s(c, p, roofline.BF16, gpu, **kw)
-            q8 = roofline.ttft_s(c, p, roofline.W8A8, gpu, **kw)
-            w4 = roofline.ttft_s(c, p, roofline.W4A16_G64, gpu, **kw)
+            bf = ttft_s(c, p, BF16, gpu, **kw)
+            q8 = ttft_s(c, p, W8A8, gpu, **kw)
+            w4 = ttft_s(c, p, W4A16_G64, gpu, **kw)
             pre.append({"gpu": f"{r.n_gpus}x{gname}", "prompt": p, "TTFT bf16 ms": 1e3 * bf,
                         "TTFT W8A8 ms": 1e3 * q8, "TTFT W4A16 ms": 1e3 * w4,
                         "bf16/W8A8": bf / q8, "W4A16/W8A8": w4 / q8})
         for b in r.batches:
-            bf = roofline.tpot_s(c, b, r.context, roofline.BF16, gpu, **kw)
-            w4 = roofline.tpot_s(c, b, r.context, roofline.W4A16_G64, gpu, **kw)
-            q8 = roofline.tpot_s(c, b, r.context, roofline.W8A8, gpu, **kw)
+            bf = tpot_s(c, b, r.context, BF16, gpu, **kw)
+            w4 = tpot_s(c, b, r.context, W4A16_G64, gpu, **kw)
+            q8 = tpot_s(c, b, r.context, W8A8, gpu, **kw)
             dec.append({"gpu": f"{r.n_gpus}x{gname}", "batch": b, "context": r.context,
                         "TPOT bf16 ms": 1e3 * bf, "TPOT W4A16 ms": 1e3 * w4,
                         "TPOT W8A8 ms": 1e3 * q8, "bf16/W4A16": bf / w4})
@@ -189,29 +190,29 @@ def roofline_tables(config):
 
 def disagg_tables(model, tok, config):
     d = config.disagg
-    c = disagg.LLAMA_31_70B
-    kv16 = disagg.kv_bytes(c, d.tokens, 16)
-    kv1 = disagg.kv_bytes(c, d.tokens, 1)
-    books = disagg.tasq_codebook_bytes(c)
+    c = LLAMA_31_70B
+    kv16 = kv_bytes(c, d.tokens, 16)
+    kv1 = kv_bytes(c, d.tokens, 1)
+    books = tasq_codebook_bytes(c)
     calc = []
     for label, nbytes in (("bf16 KV", kv16), ("TaSQ 1-bit codes", kv1)):
         row = {"model": "Llama-3.1-70B", "tokens": d.tokens, "KV": label, "GB": nbytes / 1e9}
-        for link, bps in disagg.LINKS.items():
-            row[f"ms @ {link}"] = 1e3 * disagg.transfer_s(nbytes, bps)
+        for link, bps in LINKS.items():
+            row[f"ms @ {link}"] = 1e3 * transfer_s(nbytes, bps)
         calc.append(row)
     # modeled crossover: recompute the prefill on 8xH200 (bf16 roofline) vs move the KV
     cross = {}
-    for link, bps in disagg.LINKS.items():
+    for link, bps in LINKS.items():
         for label, bits in (("bf16", 16), ("1-bit", 1)):
-            cross[f"{label} @ {link}"] = disagg.crossover_tokens(
-                lambda p: roofline.ttft_s(c, p, roofline.BF16, roofline.H200),
-                lambda p, bits=bits: disagg.transfer_s(disagg.kv_bytes(c, p, bits), bps))
+            cross[f"{label} @ {link}"] = crossover_tokens(
+                lambda p: ttft_s(c, p, BF16, H200),
+                lambda p, bits=bits: transfer_s(kv_bytes(c, p, bits), bps))
     # billing: per-second, one request of d.prompt tokens and d.new_tokens out
-    h200 = disagg.Pool("8xH200", 8, d.usd_per_gpu_hour_h200)
-    ttft = roofline.ttft_s(c, d.prompt, roofline.W8A8, roofline.H200)
-    tpot = roofline.tpot_s(c, d.decode_batch, d.prompt, roofline.W4A16_G64, roofline.H200)
-    move = disagg.transfer_s(disagg.kv_bytes(c, d.prompt), disagg.LINKS["6.4 Tbps"])
-    bill = disagg.request_cost(h200, h200, ttft, tpot, d.new_tokens, d.decode_batch)
+    h200 = Pool("8xH200", 8, d.usd_per_gpu_hour_h200)
+    ttft = ttft_s(c, d.prompt, W8A8, H200)
+    tpot = tpot_s(c, d.decode_batch, d.prompt, W4A16_G64, H200)
+    move = transfer_s(kv_bytes(c, d.prompt), LINKS["6.4 Tbps"])
+    bill = request_cost(h200, h200, ttft, tpot, d.new_tokens, d.decode_batch)
     bill.update(ttft_s=ttft, tpot_s=tpot, kv_move_s=move, prompt=d.prompt,
                 new_tokens=d.new_tokens, decode_batch=d.decode_batch,
                 usd_per_gpu_hour=d.usd_per_gpu_hour_h200)
@@ -260,14 +261,39 @@ def measured_handoff(model, tok, config):
 
 # -- report ----------------------------------------------------------------------------
 
+def _section(out_dir, name: str, reuse: bool, fn):
+    """Run a section, saving its result as <out_dir>/section_<name>.json with the git
+    state; with `reuse`, a saved section is loaded instead (results.json lists which)."""
+    path = os.path.join(out_dir, f"section_{name}.json")
+    if reuse and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        REUSED[name] = saved["git"]
+        return saved["result"]
+    result = fn()
+    with open(path, "w") as f:
+        json.dump({"git": common.git_state(), "result": result}, f,
+                  default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+    with open(path) as f:  # the same JSON types whether computed or reused
+        return json.load(f)["result"]
+
+
+REUSED: dict = {}
+
+
 def run(config, out_dir=None) -> common.Report:
     out_dir = out_dir or tempfile.mkdtemp()
     os.makedirs(out_dir, exist_ok=True)
     model, tok = load(config.gguf_path or None)
-    q_rows, q_extra, w4 = quality(model, tok, config)
-    s_rows, s_extra = speed(config, out_dir, w4.name)
+    reuse = config.get("reuse_sections", False)
+    q_rows, q_extra, zp = _section(out_dir, "quality", reuse, lambda: (
+        lambda r: (r[0], r[1], r[2].zero_point))(quality(model, tok, config)))
+    w4 = w4a16(config.quality.dev_group, zero_point=zp)
     pre_rows, dec_rows = roofline_tables(config)
-    calc_rows, hand_rows, d_extra = disagg_tables(model, tok, config)
+    s_rows, s_extra = _section(out_dir, "speed", reuse,
+                               lambda: speed(config, out_dir, w4.name))
+    calc_rows, hand_rows, d_extra = _section(out_dir, "disagg", reuse,
+                                             lambda: disagg_tables(model, tok, config))
     claims, notes = make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows,
                                 w4, q_extra, d_extra)
     tables = [
@@ -289,7 +315,8 @@ def run(config, out_dir=None) -> common.Report:
         title=f"DynaCore on SmolLM2-135M-Instruct ({q_extra['n_test_windows']} test windows "
               f"of {config.quality.window}, {config.quality.n_prefill} prefilled)",
         plot=lambda fig: plot(fig, q_rows, dec_rows),
-        extra={"quality": q_extra, **s_extra, "disagg": d_extra})
+        extra={"quality": q_extra, **s_extra, "disagg": d_extra,
+               "reused_sections": dict(REUSED)})
 
 
 def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w4, q_extra,
@@ -335,7 +362,7 @@ def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w4, q_ex
         + ", ".join(f"{v['count']} f32[{k.replace('x', ',')}] arrays" for k, v in hlo.items())
         + " (whole dequantized weights written every step, then a dense dot); the Pallas "
         "kernel, which dequantizes one tile at a time, is what TPU/GPU run",
-        "TTFT/TPOT tables are MODELED (research/dynacore/roofline.py: datasheet rates, "
+        "TTFT/TPOT tables are MODELED (research/dynacore/py: datasheet rates, "
         "mfu 0.6, mbu 0.8, 8 GPUs as one ideal tensor-parallel device)",
         f"modeled crossover prompt length (8xH200 bf16 recompute vs moving the KV): "
         f"{d_extra['crossover_tokens_modeled_8xH200']}",

@@ -8,11 +8,11 @@ import pytest
 import qwix
 
 from kernels_pallas.dispatch import custom_call_targets, has_pallas_call
-from research.dynacore import (PhaseWeights, QuantConfig, dynacore, quantize,
-                               quantize_weight, restore_state, save_state, w4a16, w8a8,
+from research.dynacore import (BF16, H200, LINKS, LLAMA_31_70B, W4A16_G64, DecodeProcess,
+                               QuantConfig, crossover_tokens, dynacore, handoff_logits,
+                               kv_bytes, linear_params, quantize, quantize_weight,
+                               restore_state, save_state, tpot_s, transfer_s, w4a16, w8a8,
                                w8a16, weight_bytes)
-from research.dynacore import disagg, roofline
-from research.dynacore.quality import handoff_logits
 from research.model import forward, init_params, make_model, tiny_config
 from research.serving.generate import generate, prefill
 from research.transforms import calibrate_and_apply
@@ -174,23 +174,22 @@ def test_dynacore_steps_lower_to_the_quant_kernels(platform):
 
 
 def test_kv_calculator_and_transfer():
-    kv = disagg.kv_bytes(disagg.LLAMA_31_70B, 32768)
+    kv = kv_bytes(LLAMA_31_70B, 32768)
     assert abs(kv / 1e9 - 10.74) < 0.01  # the seed's "about 10 GB"
-    assert disagg.kv_bytes(disagg.LLAMA_31_70B, 32768, bits=1) == kv / 16
-    assert abs(disagg.transfer_s(kv, disagg.LINKS["6.4 Tbps"]) - 0.01342) < 1e-4
-    assert disagg.crossover_tokens(lambda p: 1e-3 * p, lambda p: 0.05 + 1e-4 * p) == 56
-    assert disagg.crossover_tokens(lambda p: 1e-4 * p, lambda p: 1e-3 * p) is None
+    assert kv_bytes(LLAMA_31_70B, 32768, bits=1) == kv / 16
+    assert abs(transfer_s(kv, LINKS["6.4 Tbps"]) - 0.01342) < 1e-4
+    assert crossover_tokens(lambda p: 1e-3 * p, lambda p: 0.05 + 1e-4 * p) == 56
+    assert crossover_tokens(lambda p: 1e-4 * p, lambda p: 1e-3 * p) is None
     with pytest.raises(ValueError, match="tokens must be"):
-        disagg.kv_bytes(disagg.LLAMA_31_70B, -1)
-    c = disagg.LLAMA_31_70B
-    assert 69e9 < roofline.linear_params(c) < 71e9
-    t_bf, t_q = (roofline.tpot_s(c, 1, 1024, s, roofline.H200)
-                 for s in (roofline.BF16, roofline.W4A16_G64))
+        kv_bytes(LLAMA_31_70B, -1)
+    c = LLAMA_31_70B
+    assert 69e9 < linear_params(c) < 71e9
+    t_bf, t_q = (tpot_s(c, 1, 1024, s, H200)
+                 for s in (BF16, W4A16_G64))
     assert 3.0 < t_bf / t_q < 16 / 4.625  # memory-bound: at most the byte ratio
 
 
 def test_two_process_kv_handoff_decodes_the_same_tokens():
-    from research.dynacore.handoff import DecodeProcess
     model = make_model(tiny_config(), init_params(tiny_config(), jax.random.key(3)))
     prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9]]
     want = generate(model, prompts, max_new_tokens=5).tokens
