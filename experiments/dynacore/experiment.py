@@ -236,10 +236,11 @@ def measured_handoff(model, tok, config):
         for label, m in (("f32 K/V", model), ("TaSQ 1-bit codes", tmodel)):
             if m is tmodel:
                 dp.setup("research.tasq:tasq", (tcfg,), jax.tree.map(np.asarray, tstate))
+            # one cache length for every prompt: one decode-loop compile per model
+            max_len = max(d.prompts) + d.decode_tokens
             for p in d.prompts:
                 toks = jnp.asarray(np.asarray(ids[:p], np.int32)[None])
                 lens = jnp.asarray([p], jnp.int32)
-                max_len = p + d.decode_tokens
                 run = lambda: prefill(m, toks, lens, m.init_cache(1, max_len))  # noqa: E731
                 recompute = time_fn(run, warmup=1, repeats=d.repeats)["median_s"]
                 logits, states = run()
