@@ -7,7 +7,7 @@ Wire format (one message = 8-byte big-endian length + a pickle, protocol 5): the
 {"length": P, "max_len", "first_logits": [B, V] f32, "records": [per layer {name: array
 [B, P, ...]}]} -- only the first P slots of each dense-layout record (f32 K/V, or TaSQ's
 1-bit codes). The decode side writes them into its own cache, decodes greedily with
-`generate.decode_loop` and answers {"tokens": [B, n]}. It acknowledges each prefix the
+`generate.decode_loop` and answers {"tokens": [B, n]} (max_new_tokens 0: no decoding). It acknowledges each prefix the
 moment it is deserialized and on its device ("ack"), so the sender's send-to-ack time is the
 transfer (serialize + socket + deserialize + device_put); decoding is not in it.
 A TaSQ model's codebooks are sent once ("setup": the transform state), not per request.
@@ -111,6 +111,9 @@ def serve(model: Model, sock: socket.socket) -> None:
         logits = jnp.asarray(msg["first_logits"])
         jax.block_until_ready((states, logits))
         send_msg(sock, {"kind": "ack"})
+        if msg["max_new_tokens"] == 0:  # transfer only
+            send_msg(sock, {"kind": "tokens", "tokens": None})
+            continue
         out = decode_loop(model.decode_model, logits, lengths, states, jax.random.key(0),
                           max_new_tokens=msg["max_new_tokens"], sampling=SamplingConfig(),
                           stop_tokens=())
@@ -147,7 +150,8 @@ class DecodeProcess:
     def handoff(self, first_logits, lengths, cache_states, max_len: int,
                 max_new_tokens: int) -> dict:
         """Send a prefilled prompt; returns {"tokens", "wire_bytes", "kv_bytes",
-        "transfer_s"} (transfer = serialize + send + receive + device_put, to the ack)."""
+        "transfer_s"} (transfer = serialize + send + receive + device_put, to the ack).
+        max_new_tokens=0: transfer only, no decoding (tokens None)."""
         length = int(np.max(np.asarray(lengths)))
         records = prefix_records(cache_states, length)
         t0 = time.perf_counter()

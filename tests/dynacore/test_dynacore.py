@@ -197,6 +197,7 @@ def test_two_process_kv_handoff_decodes_the_same_tokens():
     logits, states = prefill(model, jnp.asarray(prompts), lengths, model.init_cache(2, 16))
     with DecodeProcess(tiny_seed=3) as dp:
         r = dp.handoff(logits, lengths, states, 16, 5)
+        assert dp.handoff(logits, lengths, states, 16, 0)["tokens"] is None  # transfer only
     assert r["tokens"].tolist() == want
     assert r["kv_bytes"] == 2 * 2 * 2 * 7 * 2 * 8 * 4  # layers * K,V * B * P * Hkv * D * f32
     assert r["wire_bytes"] > r["kv_bytes"] and r["transfer_s"] > 0
