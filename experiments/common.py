@@ -31,6 +31,8 @@ class Report:
     extra: dict = dataclasses.field(default_factory=dict)  # anything else for results.json
     plot: Callable[[Any], None] | None = None  # draws on a matplotlib Figure
     notes: list[str] = dataclasses.field(default_factory=list)
+    # further tables after the main one: {"title", "columns", "rows"} each
+    tables: list[dict] = dataclasses.field(default_factory=list)
 
 
 def versions() -> dict:
@@ -121,6 +123,8 @@ def render_markdown(report: Report) -> str:
     if report.claims:
         parts += ["", "## Claims vs measured",
                   markdown_table(["claim", "target", "measured", "met"], report.claims)]
+    for t in report.tables:
+        parts += ["", f"## {t['title']}", markdown_table(t["columns"], t["rows"])]
     if report.notes:
         parts += [""] + [f"- {n}" for n in report.notes]
     return "\n".join(parts) + "\n"
@@ -143,7 +147,7 @@ def write_results(report: Report, out_dir: Path, config_dict: dict, seed: int,
                "command": " ".join(argv), "protocol": protocol,
                "elapsed_s": round(elapsed_s, 2), "columns": list(report.columns),
                "rows": report.rows, "claims": report.claims, "notes": report.notes,
-               "extra": report.extra}
+               "tables": report.tables, "extra": report.extra}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=_jsonable))
     (out_dir / "table.md").write_text(render_markdown(report))
     if report.plot is not None:

@@ -23,8 +23,33 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) ->
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def swiglu(x: Float[Array, "... D"], w_gate: Array, w_up: Array, w_down: Array) -> Array:
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+class LinearWeight:
+    """Base of weight types that run their own linear op (quantized weights,
+    `research.dynacore`). The model calls `linear(x, w)` for every projection (q/k/v/o,
+    gate/up/down, an untied LM head); a plain array is `x @ w`, a LinearWeight runs
+    `w.linear(x)`. This is the one place the model dispatches on the weight type.
+
+    Subclasses implement `linear(x [..., K]) -> [..., N]` in x's dtype, and may implement
+    `for_phase(phase)`: the weight that serves "prefill" or "decode" (a weight holding one
+    set per phase selects it; every other weight returns itself). `Model.for_phase` maps
+    it over the params."""
+
+    def linear(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def for_phase(self, phase: str) -> "LinearWeight":
+        return self
+
+
+def linear(x: Float[Array, "... K"], w) -> Array:
+    """x @ w for a plain [K, N] weight, `w.linear(x)` for a LinearWeight."""
+    if isinstance(w, LinearWeight):
+        return w.linear(x)
+    return x @ w
+
+
+def swiglu(x: Float[Array, "... D"], w_gate, w_up, w_down) -> Array:
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 class Routing(NamedTuple):

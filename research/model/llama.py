@@ -45,9 +45,35 @@ class Model:
         return dataclasses.replace(self, **changes)
 
     def astype(self, dtype) -> "Model":
-        """Params cast to `dtype` (compute runs in this dtype; norms/softmax stay f32)."""
-        params = jax.tree.map(lambda x: x.astype(dtype), self.params)
+        """Floating params cast to `dtype` (compute runs in this dtype; norms/softmax stay
+        f32). Integer arrays (quantized weight codes) keep their dtype."""
+        params = jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            self.params)
         return self.replace(params=params)
+
+    def for_phase(self, phase: str) -> "Model":
+        """The model serving `phase` ("prefill" or "decode"): every weight that holds one
+        set per phase (a `layers.LinearWeight`, e.g. `research.dynacore`'s) is replaced by
+        that phase's set. A model without such weights returns itself (same params)."""
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
+        is_w = lambda x: isinstance(x, layers.LinearWeight)  # noqa: E731
+        if not any(is_w(x) for x in jax.tree.leaves(self.params, is_leaf=is_w)):
+            return self
+        params = jax.tree.map(lambda x: x.for_phase(phase) if is_w(x) else x, self.params,
+                              is_leaf=is_w)
+        return self.replace(params=params)
+
+    @property
+    def prefill_model(self) -> "Model":
+        """The view prefill runs (writes the KV cache); see `for_phase`."""
+        return self.for_phase("prefill")
+
+    @property
+    def decode_model(self) -> "Model":
+        """The view decode runs (continues from the prefilled cache); see `for_phase`."""
+        return self.for_phase("decode")
 
     @property
     def dtype(self):
@@ -125,9 +151,9 @@ class BlockOutput(NamedTuple):
 
 def _project_qkv(c: ModelConfig, p: dict, h: Array, positions: Array):
     b, t, _ = h.shape
-    q = (h @ p["wq"]).reshape(b, t, c.n_heads, c.head_dim)
-    k_pre = (h @ p["wk"]).reshape(b, t, c.n_kv_heads, c.head_dim)
-    v = (h @ p["wv"]).reshape(b, t, c.n_kv_heads, c.head_dim)
+    q = layers.linear(h, p["wq"]).reshape(b, t, c.n_heads, c.head_dim)
+    k_pre = layers.linear(h, p["wk"]).reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = layers.linear(h, p["wv"]).reshape(b, t, c.n_kv_heads, c.head_dim)
     q = layers.apply_rope(q, positions, c.rope_theta)
     k = layers.apply_rope(k_pre, positions, c.rope_theta)
     return q, k_pre, k, v
@@ -182,7 +208,7 @@ def decoder_block(model: Model, layer: int, x: Float[Array, "B T D"],
             cache_state, q, k, v, start=start, n_new=n_new, window=window)
     b, t = x.shape[:2]
     attn_flat = attn.reshape(b, t, c.n_heads * c.head_dim)
-    x = x + attn_flat @ p["wo"]
+    x = x + layers.linear(attn_flat, p["wo"])
     h2 = layers.rms_norm(x, p["ffn_norm"], c.norm_eps)
     ffn_out, routing = feed_forward(c, layer, p, h2)
     x = x + ffn_out
@@ -200,8 +226,9 @@ def unembed(model: Model, h: Array) -> Array:
     """Final norm + LM head; logits in f32."""
     p = model.params
     h = layers.rms_norm(h, p["final_norm"], model.config.norm_eps)
-    w = p["embed"].T if model.config.tie_embeddings else p["lm_head"]
-    return (h @ w).astype(jnp.float32)
+    if model.config.tie_embeddings:
+        return (h @ p["embed"].T).astype(jnp.float32)
+    return layers.linear(h, p["lm_head"]).astype(jnp.float32)
 
 
 def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | None = None,

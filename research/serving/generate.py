@@ -204,10 +204,12 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     key, tokens, lengths, max_len = prepare_prompts(model, prompts, max_new_tokens, key,
                                                     sampling, max_len)
     states = model.init_cache(len(prompts), max_len)
-    logits, states, bad = _prefill_checked(model, jnp.asarray(tokens), jnp.asarray(lengths),
-                                           states)
+    # a model holding one weight set per phase (research.dynacore) prefills with its
+    # prefill set and decodes from that cache with its decode set; others are unchanged
+    logits, states, bad = _prefill_checked(model.prefill_model, jnp.asarray(tokens),
+                                           jnp.asarray(lengths), states)
     decoded = decode_loop(
-        model, logits, jnp.asarray(lengths), states, key, max_new_tokens=max_new_tokens,
+        model.decode_model, logits, jnp.asarray(lengths), states, key, max_new_tokens=max_new_tokens,
         sampling=sampling, stop_tokens=tuple(int(t) for t in stop_tokens))
     raise_if_nonfinite(decoded, model.config.n_layers, bad)
     out, n_out, done = (np.asarray(a) for a in decoded[:3])

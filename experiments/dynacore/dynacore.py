@@ -1,0 +1,49 @@
+r"""DynaCore on SmolLM2-135M-Instruct: quality, CPU speed vs llama.cpp, roofline, KV handoff.
+
+Command:   python -m experiments.run --config=experiments/dynacore/dynacore.py:small
+           (timed sections run under `flock /work/bench.lock` when committed)
+Hardware:  small = CPU, ~30-40 minutes on a loaded 2-core machine (dev 4 + test 8 windows
+           of 256 tokens, 128 prefilled + 128 decoded; speed with 1 thread);
+           full = CPU, ~2 hours (dev 8 + test 32 windows, longer timing).
+Expected:  quality (test windows, handoff protocol, KL vs f32 on decoded tokens): W8A8 within
+           1% of f32 perplexity, W4A16 g64 within 5%, DynaCore (W8A8 prefill, W4A16 decode)
+           no worse than W4A16 alone; speed: W8A8 prefill faster than f32 on CPU XLA,
+           W4A16 decode slower than f32 on CPU XLA (the dequantized weight is materialized
+           each step; the Pallas kernel is for TPU/GPU) and far from llama.cpp Q4_1;
+           roofline (modeled): W8A8 TTFT <= 2x, W4A16 TPOT <= ~3.5x vs bf16, neither
+           near 3.50x / 36.55x; KV 10.74 GB at 32k (bf16), 0.67 GB in 1-bit codes.
+"""
+import ml_collections
+
+
+def get_config(arg: str = "small") -> ml_collections.ConfigDict:
+    if arg not in ("small", "full"):
+        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
+    small = arg == "small"
+    c = ml_collections.ConfigDict()
+    c.experiment = "experiments.dynacore.experiment"
+    c.run_name = f"dynacore_{arg}"
+    c.seed = 0
+    # sections computed by this run; the others are loaded from the section_*.json an
+    # earlier run saved in the same out dir (listed in results.json with their git state),
+    # so the timed sections can run under the bench lock apart from the quality section
+    c.sections = "quality,speed,disagg"
+    c.gguf_path = ""
+    c.quality = ml_collections.ConfigDict(dict(
+        window=256, n_prefill=128, dev_windows=4 if small else 8,
+        test_windows=8 if small else 32, batch_size=4,
+        group_sizes=(32, 64, 128), dev_group=64))
+    c.speed = ml_collections.ConfigDict(dict(
+        threads=1, prompt=128 if small else 256, context=128, decode=16 if small else 32,
+        batches="1,8", repeats=3 if small else 7, group=64,
+        peer_python="/work/peer-venv/bin/python"))
+    c.roofline = ml_collections.ConfigDict(dict(
+        prompts=(512, 2048, 8192, 32768), batches=(1, 8, 32, 64, 128, 256),
+        context=4096, n_gpus=8, mfu=0.6, mbu=0.8))
+    c.disagg = ml_collections.ConfigDict(dict(
+        tokens=32768, prompts=(128, 512) if small else (128, 512, 2048), repeats=3,
+        decode_tokens=8, tasq_seqs=4 if small else 16, tasq_iters=4 if small else 12,
+        # per-second billing inputs (USD per GPU-hour): assumptions, edit to your quote
+        usd_per_gpu_hour_h200=4.54, usd_per_gpu_hour_b200=6.25, new_tokens=256,
+        decode_batch=64, prompt=8192))
+    return c

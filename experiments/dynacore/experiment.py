@@ -1,0 +1,408 @@
+"""DynaCore experiment (see dynacore.py for the command): quality on held-out text (dev
+choice of zero points, test rows, the prefill/decode handoff matrix), CPU speed in one
+process vs llama.cpp on the same GGUF, the modeled roofline for Llama-3.1-70B, and the
+disaggregation costs (KV size, transfer, a measured two-process handoff, crossover,
+billing)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import common
+from research import data
+from research.core.timing import time_fn
+from research.dynacore import (BF16, GPUS, H200, LINKS, LLAMA_31_70B, W4A16_G64, W8A8,
+                               DecodeProcess, Pool, crossover_tokens, dynacore,
+                               evaluate_pairs, kv_bytes, quantize, request_cost,
+                               tasq_codebook_bytes, tpot_s, transfer_s, ttft_s, w4a16, w8a8,
+                               w8a16, weight_bytes, windows)
+from research.model import default_gguf_path, load
+from research.serving.generate import decode_loop, prefill
+from research.serving.sampling import SamplingConfig
+from research.transforms import CalibrationData, calibrate_and_apply
+
+COLUMNS = ["setting", "prefill", "decode", "linear MB", "ppl all", "ppl decoded",
+           "dppl decoded %", "KL decoded", "KL prefill", "note"]
+F32 = "f32"
+
+
+# -- quality ---------------------------------------------------------------------------
+
+class Models:
+    """Single-setting models, built once (name -> Model; None name = f32)."""
+
+    def __init__(self, model):
+        self.f32 = model
+        self.cache = {F32: model, "bf16": model.astype(jnp.bfloat16)}
+
+    def get(self, cfg):
+        if isinstance(cfg, str):
+            return self.cache[cfg]
+        if cfg.name not in self.cache:
+            self.cache[cfg.name], _ = calibrate_and_apply(quantize(cfg), self.f32, None)
+        return self.cache[cfg.name]
+
+
+def choose_zero_point(models: Models, dev, q) -> tuple[bool, list[dict]]:
+    """On dev windows only: W4A16 at the dev group size with and without zero points."""
+    cands = {zp: w4a16(q.dev_group, zero_point=zp) for zp in (True, False)}
+    pairs = {cfg.name: (models.get(cfg), models.get(cfg)) for cfg in cands.values()}
+    ref = (models.f32, models.f32)
+    scores = evaluate_pairs(pairs, ref, dev, q.n_prefill, q.batch_size)
+    rows = [{"setting": name, "ppl decoded": s.ppl_decode, "KL decoded": s.kl_decode}
+            for name, s in scores.items()]
+    best = min(cands, key=lambda zp: scores[cands[zp].name].kl_decode)
+    return best, rows
+
+
+def quality(model, tok, config):
+    q = config.quality
+    ids = tok.encode(data.corpus_text("heldout"))
+    dev = windows(ids, q.window, q.dev_windows, 0)
+    test = windows(ids, q.window, q.test_windows, q.dev_windows)  # disjoint by offset
+    models = Models(model)
+    zp, dev_rows = choose_zero_point(models, dev, q)
+    settings = {F32: F32, "bf16": "bf16", "W8A8": w8a8(), "W8A16": w8a16()}
+    skipped = {}
+    for g in q.group_sizes:
+        cfg = w4a16(g, zero_point=zp)
+        try:
+            models.get(cfg)
+            settings[cfg.name] = cfg
+        except ValueError as e:  # e.g. g=128 does not divide SmolLM2's 576-wide inputs
+            skipped[cfg.name] = str(e)
+    w4 = w4a16(q.dev_group, zero_point=zp)
+    # rows: every single setting, DynaCore, then the handoff matrix's mixed pairs
+    pairs = {name: (name, name) for name in settings}
+    pairs[f"DynaCore (W8A8 | {w4.name})"] = ("W8A8", w4.name)
+    for p in (F32, "W8A8", w4.name):
+        for d in (F32, "W8A8", w4.name):
+            if p != d and (p, d) != ("W8A8", w4.name):
+                pairs[f"handoff {p} -> {d}"] = (p, d)
+    get = lambda n: models.get(settings.get(n, n))  # noqa: E731
+    built = {}
+    for name, (p, d) in pairs.items():
+        if (p, d) == ("W8A8", w4.name):  # the real dynacore transform: one model, two sets
+            dc, _ = calibrate_and_apply(dynacore(w8a8(), w4), model, None)
+            built[name] = (dc.prefill_model, dc.decode_model)
+            dc_bytes = weight_bytes(dc)["linear"]
+        else:
+            built[name] = (get(p), get(d))
+    t0 = time.perf_counter()
+    scores = evaluate_pairs(built, (model, model), test, q.n_prefill, q.batch_size)
+    elapsed = time.perf_counter() - t0
+    f32 = scores[F32]
+    rows = []
+    for name, (p, d) in pairs.items():
+        s = scores[name]
+        mb = (dc_bytes if name.startswith("DynaCore") else
+              weight_bytes(get(p))["linear"] if p == d else float("nan")) / 1e6
+        rows.append({"setting": name, "prefill": p, "decode": d, "linear MB": mb,
+                     "ppl all": s.ppl_all, "ppl decoded": s.ppl_decode,
+                     "dppl decoded %": 100 * (s.ppl_decode / f32.ppl_decode - 1),
+                     "KL decoded": s.kl_decode, "KL prefill": s.kl_prefill, "note": ""})
+    for name, err in skipped.items():
+        rows.append({"setting": name, "note": "not run: " + err})
+    extra = {"dev_zero_point_rows": dev_rows, "zero_point": zp, "eval_s": elapsed,
+             "n_test_windows": int(len(test)), "n_dev_windows": int(len(dev)),
+             "embed_MB": weight_bytes(model)["embed"] / 1e6,
+             "decoded_tokens": f32.n_decode_tokens, "prefill_tokens": f32.n_prefill_tokens}
+    return rows, extra, w4
+
+
+# -- speed -----------------------------------------------------------------------------
+
+def speed(config, out_dir, w4name):
+    s = config.speed
+    gguf = config.gguf_path or str(default_gguf_path())
+    flags = (f"--xla_cpu_multi_thread_eigen={'true' if s.threads > 1 else 'false'} "
+             f"intra_op_parallelism_threads={s.threads}")
+    env = dict(os.environ, XLA_FLAGS=flags, OMP_WAIT_POLICY="PASSIVE")
+    path = os.path.join(out_dir, "speed.json")
+    subprocess.run([sys.executable, "-m", "experiments.dynacore.speed", "--out", path,
+                    "--gguf", gguf, "--prompt", str(s.prompt), "--context", str(s.context),
+                    "--decode", str(s.decode), "--batches", s.batches, "--group",
+                    str(s.group), "--repeats", str(s.repeats),
+                    "--decode_variants", f"f32,{w4name}"], check=True, env=env)
+    with open(path) as f:
+        sp = json.load(f)
+    peer = None
+    if s.peer_python and os.path.exists(s.peer_python):
+        out = subprocess.run([s.peer_python, "experiments/dynacore/peer_llamacpp.py",
+                              "--gguf", gguf, "--workdir", os.path.join(out_dir, "peer"),
+                              "--threads", str(s.threads), "--prompt", str(s.prompt),
+                              "--decode", str(s.decode), "--repeats", str(s.repeats)],
+                             check=True, env=env, capture_output=True, text=True)
+        peer = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = []
+    for v, r in sp["prefill"].items():
+        rows.append({"engine": "servax (XLA CPU)", "variant": v, "phase": "prefill",
+                     "batch": 1, "tok/s": r["tok_s"],
+                     "vs f32": r["tok_s"] / sp["prefill"][F32]["tok_s"]})
+    for key, r in sp["decode"].items():
+        base = sp["decode"][f"f32 b{r['batch']}"]["tok_s"]
+        rows.append({"engine": "servax (XLA CPU)", "variant": r["variant"], "phase": "decode",
+                     "batch": r["batch"], "tok/s": r["tok_s"], "vs f32": r["tok_s"] / base})
+    if peer:
+        for v in ("Q4_1", "Q8_0"):
+            rows.append({"engine": "llama.cpp", "variant": v, "phase": "prefill", "batch": 1,
+                         "tok/s": peer[v]["prefill_tok_s"], "vs f32": float("nan")})
+            rows.append({"engine": "llama.cpp", "variant": v, "phase": "decode", "batch": 1,
+                         "tok/s": peer[v]["decode_tok_s"], "vs f32": float("nan")})
+    return rows, {"speed": sp, "peer": peer, "threads": s.threads, "xla_flags": flags}
+
+
+# -- roofline --------------------------------------------------------------------------
+
+def roofline_tables(config):
+    r = config.roofline
+    c = LLAMA_31_70B
+    kw = dict(n_gpus=r.n_gpus, mfu=r.mfu, mbu=r.mbu)
+    pre, dec = [], []
+    for gname, gpu in GPUS.items():
+        for p in r.prompts:
+            bf = ttft_s(c, p, BF16, gpu, **kw)
+            q8 = ttft_s(c, p, W8A8, gpu, **kw)
+            w4 = ttft_s(c, p, W4A16_G64, gpu, **kw)
+            pre.append({"gpu": f"{r.n_gpus}x{gname}", "prompt": p, "TTFT bf16 ms": 1e3 * bf,
+                        "TTFT W8A8 ms": 1e3 * q8, "TTFT W4A16 ms": 1e3 * w4,
+                        "bf16/W8A8": bf / q8, "W4A16/W8A8": w4 / q8})
+        for b in r.batches:
+            bf = tpot_s(c, b, r.context, BF16, gpu, **kw)
+            w4 = tpot_s(c, b, r.context, W4A16_G64, gpu, **kw)
+            q8 = tpot_s(c, b, r.context, W8A8, gpu, **kw)
+            dec.append({"gpu": f"{r.n_gpus}x{gname}", "batch": b, "context": r.context,
+                        "TPOT bf16 ms": 1e3 * bf, "TPOT W4A16 ms": 1e3 * w4,
+                        "TPOT W8A8 ms": 1e3 * q8, "bf16/W4A16": bf / w4})
+    return pre, dec
+
+
+# -- disaggregation --------------------------------------------------------------------
+
+def disagg_tables(model, tok, config):
+    d = config.disagg
+    c = LLAMA_31_70B
+    kv16 = kv_bytes(c, d.tokens, 16)
+    kv1 = kv_bytes(c, d.tokens, 1)
+    books = tasq_codebook_bytes(c)
+    calc = []
+    for label, nbytes in (("bf16 KV", kv16), ("TaSQ 1-bit codes", kv1)):
+        row = {"model": "Llama-3.1-70B", "tokens": d.tokens, "KV": label, "GB": nbytes / 1e9}
+        for link, bps in LINKS.items():
+            row[f"ms @ {link}"] = 1e3 * transfer_s(nbytes, bps)
+        calc.append(row)
+    # modeled crossover: recompute the prefill on 8xH200 (bf16 roofline) vs move the KV
+    cross = {}
+    for link, bps in LINKS.items():
+        for label, bits in (("bf16", 16), ("1-bit", 1)):
+            cross[f"{label} @ {link}"] = crossover_tokens(
+                lambda p: ttft_s(c, p, BF16, H200),
+                lambda p, bits=bits: transfer_s(kv_bytes(c, p, bits), bps))
+    # billing: per-second, one request of d.prompt tokens and d.new_tokens out
+    h200 = Pool("8xH200", 8, d.usd_per_gpu_hour_h200)
+    ttft = ttft_s(c, d.prompt, W8A8, H200)
+    tpot = tpot_s(c, d.decode_batch, d.prompt, W4A16_G64, H200)
+    move = transfer_s(kv_bytes(c, d.prompt), LINKS["6.4 Tbps"])
+    bill = request_cost(h200, h200, ttft, tpot, d.new_tokens, d.decode_batch)
+    bill.update(ttft_s=ttft, tpot_s=tpot, kv_move_s=move, prompt=d.prompt,
+                new_tokens=d.new_tokens, decode_batch=d.decode_batch,
+                usd_per_gpu_hour=d.usd_per_gpu_hour_h200)
+    measured = measured_handoff(model, tok, config)
+    return calc, measured, {"crossover_tokens_modeled_8xH200": cross, "billing": bill,
+                            "tasq_codebook_bytes_70b": books}
+
+
+def measured_handoff(model, tok, config):
+    """Real SmolLM2 prefill state sent to a decode process (loopback TCP): f32 K/V, then
+    TaSQ 1-bit codes; vs recomputing the prefill locally. For f32 the decode process
+    decodes and its greedy tokens are compared with a local decode from the same state;
+    TaSQ's codes are transferred only (its decode-loop compile takes many minutes on this
+    loaded CPU; decoding a handed-off cache is tested for f32 and is codec-independent)."""
+    from research.tasq import TaSQConfig, tasq
+    d = config.disagg
+    ids = tok.encode(data.corpus_text("heldout"))
+    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 256,
+                                   d.tasq_seqs)
+    tcfg = TaSQConfig(bits=1, kmeans_iters=d.tasq_iters, max_points=4096, seed=config.seed)
+    tmodel, tstate = calibrate_and_apply(tasq(tcfg), model, cal)
+    rows = []
+    with DecodeProcess(gguf=config.gguf_path or None) as dp:
+        for label, m in (("f32 K/V", model), ("TaSQ 1-bit codes", tmodel)):
+            if m is tmodel:
+                dp.setup("research.tasq:tasq", (tcfg,), jax.tree.map(np.asarray, tstate))
+            # one cache length for every prompt: one decode-loop compile per model
+            max_len = max(d.prompts) + d.decode_tokens
+            for p in d.prompts:
+                toks = jnp.asarray(np.asarray(ids[:p], np.int32)[None])
+                lens = jnp.asarray([p], jnp.int32)
+                run = lambda: prefill(m, toks, lens, m.init_cache(1, max_len))  # noqa: E731
+                recompute = time_fn(run, warmup=1, repeats=d.repeats)["median_s"]
+                logits, states = run()
+                local = None
+                if m is model:  # TaSQ: transfer only (see the docstring)
+                    local = decode_loop(m, logits, lens, states, jax.random.key(0),
+                                        max_new_tokens=d.decode_tokens,
+                                        sampling=SamplingConfig(), stop_tokens=())
+                n_dec = d.decode_tokens if local is not None else 0  # TaSQ: transfer only
+                dp.handoff(logits, lens, states, max_len, n_dec)  # warm-up
+                res = [dp.handoff(logits, lens, states, max_len, n_dec)
+                       for _ in range(d.repeats)]
+                move = statistics.median(r["transfer_s"] for r in res)
+                rows.append({"KV": label, "prompt": p, "KV bytes": res[0]["kv_bytes"],
+                             "wire bytes": res[0]["wire_bytes"], "transfer ms": 1e3 * move,
+                             "recompute ms": 1e3 * recompute,
+                             "move beats recompute": bool(move < recompute),
+                             "same tokens": "not checked" if local is None else
+                             bool(np.array_equal(res[0]["tokens"], np.asarray(local.tokens)))})
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------
+
+def _section(out_dir, name: str, compute: bool, fn):
+    """Compute a section and save it as <out_dir>/section_<name>.json with the git state,
+    or (when `name` is not in config.sections) load the one a previous run saved; the
+    loaded ones and their git states are listed in results.json (extra.reused_sections).
+    Lets the timing sections run under the bench lock apart from the quality section."""
+    path = os.path.join(out_dir, f"section_{name}.json")
+    if not compute:
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"section {name!r} is not in config.sections and no earlier run saved "
+                f"{path}: run with --config.sections={name} (sections computed so far "
+                "are saved)")
+        with open(path) as f:
+            saved = json.load(f)
+        REUSED[name] = saved["git"]
+        return saved["result"]
+    result = fn()
+    with open(path, "w") as f:
+        json.dump({"git": common.git_state(), "result": result}, f,
+                  default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+    with open(path) as f:  # the same JSON types whether computed or reused
+        return json.load(f)["result"]
+
+
+REUSED: dict = {}
+
+
+def run(config, out_dir=None) -> common.Report:
+    out_dir = out_dir or tempfile.mkdtemp()
+    os.makedirs(out_dir, exist_ok=True)
+    model, tok = load(config.gguf_path or None)
+    sections = set(config.sections.split(","))
+    unknown = sections - {"quality", "speed", "disagg"}
+    if unknown:
+        raise ValueError(f"config.sections: unknown {sorted(unknown)}; expected a comma list "
+                         "of quality, speed, disagg")
+    q_rows, q_extra, zp = _section(out_dir, "quality", "quality" in sections, lambda: (
+        lambda r: (r[0], r[1], r[2].zero_point))(quality(model, tok, config)))
+    w4 = w4a16(config.quality.dev_group, zero_point=zp)
+    pre_rows, dec_rows = roofline_tables(config)
+    s_rows, s_extra = _section(out_dir, "speed", "speed" in sections,
+                               lambda: speed(config, out_dir, w4.name))
+    calc_rows, hand_rows, d_extra = _section(out_dir, "disagg", "disagg" in sections,
+                                             lambda: disagg_tables(model, tok, config))
+    claims, notes = make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows,
+                                w4, q_extra, d_extra)
+    tables = [
+        {"title": f"CPU speed (one process, {config.speed.threads} thread(s) for XLA and "
+                  "llama.cpp, medians after warm-up)",
+         "columns": ["engine", "variant", "phase", "batch", "tok/s", "vs f32"],
+         "rows": s_rows},
+        {"title": "MODELED TTFT, Llama-3.1-70B, one prompt (roofline, datasheet rates)",
+         "columns": list(pre_rows[0]), "rows": pre_rows},
+        {"title": "MODELED TPOT, Llama-3.1-70B (roofline, datasheet rates)",
+         "columns": list(dec_rows[0]), "rows": dec_rows},
+        {"title": "KV size and transfer time (calculator)", "columns": list(calc_rows[0]),
+         "rows": calc_rows},
+        {"title": "Measured KV handoff between two processes (SmolLM2, loopback TCP)",
+         "columns": list(hand_rows[0]), "rows": hand_rows},
+    ]
+    return common.Report(
+        columns=COLUMNS, rows=q_rows, tables=tables, claims=claims, notes=notes,
+        title=f"DynaCore on SmolLM2-135M-Instruct ({q_extra['n_test_windows']} test windows "
+              f"of {config.quality.window}, {config.quality.n_prefill} prefilled)",
+        plot=lambda fig: plot(fig, q_rows, dec_rows),
+        extra={"quality": q_extra, **s_extra, "disagg": d_extra,
+               "reused_sections": dict(REUSED)})
+
+
+def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w4, q_extra,
+                d_extra):
+    by = {r["setting"]: r for r in q_rows}
+    f32 = by[F32]
+    pct = lambda n, k="ppl all": 100 * (by[n][k] / f32[k] - 1)  # noqa: E731
+    dc = next(r for r in q_rows if r["setting"].startswith("DynaCore"))
+    claims = [
+        common.claim("W8A8 ppl within 1% of f32 (all tokens)", "<= 1%",
+                     f"{pct('W8A8'):+.2f}%", abs(pct("W8A8")) <= 1),
+        common.claim(f"{w4.name} ppl within 5% of f32", "<= 5%", f"{pct(w4.name):+.2f}%",
+                     abs(pct(w4.name)) <= 5),
+        common.claim("DynaCore no worse than W4A16 alone (decoded tokens)",
+                     f"ppl <= {by[w4.name]['ppl decoded']:.4f}",
+                     f"{dc['ppl decoded']:.4f} (KL {dc['KL decoded']:.4f} vs "
+                     f"{by[w4.name]['KL decoded']:.4f})",
+                     dc["ppl decoded"] <= by[w4.name]["ppl decoded"] * (1 + 1e-4)),
+        common.claim("TTFT up to 3.50x (seed)", "3.50x",
+                     f"modeled bf16/W8A8 max {max(r['bf16/W8A8'] for r in pre_rows):.2f}x",
+                     False),
+        common.claim("TPOT up to 36.55x (seed)", "36.55x",
+                     f"modeled bf16/W4A16 max {max(r['bf16/W4A16'] for r in dec_rows):.2f}x",
+                     False),
+        common.claim("32k-token Llama-3.1-70B KV ~10 GB (seed)", "~10 GB",
+                     f"{calc_rows[0]['GB']:.2f} GB bf16", abs(calc_rows[0]["GB"] - 10.7) < 0.1),
+    ]
+    peer = s_extra["peer"]
+    mine = next((r for r in s_rows if r["variant"] == w4.name and r["batch"] == 1
+                 and r["phase"] == "decode"), None)
+    if peer and mine:
+        ratio = mine["tok/s"] / peer["Q4_1"]["decode_tok_s"]
+        claims.append(common.claim("servax W4A16 decode b1 >= llama.cpp Q4_1 (goal)",
+                                   ">= 1.0x", f"{ratio:.3f}x", ratio >= 1))
+    hlo = s_extra["speed"]["hlo_w4a16"]["weight_shaped_f32_arrays"]
+    notes = [
+        f"zero points chosen on dev windows only: zero_point={q_extra['zero_point']} "
+        f"(dev rows in results.json extra.quality.dev_zero_point_rows)",
+        "the tied embedding / LM head stays float in every row "
+        f"({q_extra['embed_MB']:.0f} MB f32); 'linear MB' counts the real arrays of every "
+        "quantized linear weight (codes, scales, zero points; DynaCore: both sets)",
+        "W4A16 decode on CPU runs the XLA reference: the compiled decode step holds "
+        + ", ".join(f"{v['count']} f32[{k.replace('x', ',')}] arrays" for k, v in hlo.items())
+        + " (whole dequantized weights written every step, then a dense dot); the Pallas "
+        "kernel, which dequantizes one tile at a time, is what TPU/GPU run",
+        "TTFT/TPOT tables are MODELED (research/dynacore/py: datasheet rates, "
+        "mfu 0.6, mbu 0.8, 8 GPUs as one ideal tensor-parallel device)",
+        f"modeled crossover prompt length (8xH200 bf16 recompute vs moving the KV): "
+        f"{d_extra['crossover_tokens_modeled_8xH200']}",
+        f"per-second billing (assumed ${d_extra['billing']['usd_per_gpu_hour']}/GPU-hour, "
+        f"8xH200 pools, modeled times): prefill ${d_extra['billing']['prefill_usd']:.5f} + "
+        f"decode ${d_extra['billing']['decode_usd']:.5f} per request of "
+        f"{d_extra['billing']['prompt']} in / {d_extra['billing']['new_tokens']} out "
+        f"(decode batch {d_extra['billing']['decode_batch']})",
+    ]
+    return claims, notes
+
+
+def plot(fig, q_rows, dec_rows):
+    ax1, ax2 = fig.subplots(1, 2)
+    rows = [r for r in q_rows if "KL decoded" in r]
+    ax1.barh([r["setting"] for r in rows], [r["KL decoded"] for r in rows])
+    ax1.set_xlabel("KL(f32 || setting) per decoded token (nats)")
+    ax1.tick_params(axis="y", labelsize=7)
+    for gpu in sorted({r["gpu"] for r in dec_rows}):
+        rr = [r for r in dec_rows if r["gpu"] == gpu]
+        ax2.plot([r["batch"] for r in rr], [r["bf16/W4A16"] for r in rr], "o-", label=gpu)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("decode batch")
+    ax2.set_ylabel("MODELED TPOT bf16 / W4A16")
+    ax2.legend()
