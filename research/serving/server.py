@@ -570,15 +570,20 @@ def create_app(engine_loop: EngineLoop, tokenizer, config: ServerConfig = Server
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, finish = [], None
+        checked = time.perf_counter()
         try:
             while finish is None:
                 try:
                     ev = await asyncio.wait_for(next_event(events), config.disconnect_poll_s)
                 except asyncio.TimeoutError:
+                    ev = None
+                if time.perf_counter() - checked >= config.disconnect_poll_s:
+                    checked = time.perf_counter()
                     if await http.is_disconnected():
                         engine_loop.abort(rid)
                         finished_c.labels("client_gone").inc()
                         return PlainTextResponse("", status_code=499)
+                if ev is None:
                     continue
                 tracker.see(ev)
                 text.append(ev.text)
