@@ -716,17 +716,41 @@ class ServerThread:
 KV_CODECS = ("f32", "bf16", "int8", "tasq-1bit")
 
 
-def build_engine(model, tokenizer, *, kv_codec: str, n_blocks: int, block_size: int,
-                 max_batch: int, max_queue: int, speculative: bool, prefix_cache: bool,
-                 seed: int):
-    """(engine, max_context) for the server flags."""
-    from research.serving.engine import ServingEngine
+def kv_codec_model(model, tokenizer, kv_codec: str, *, seed: int = 0,
+                   calibration_seqs: int = 16, calibration_len: int = 256):
+    """`model` with its KV cache stored by `kv_codec` (f32 / bf16 / int8 / tasq-1bit).
+
+    tasq-1bit calibrates TaSQ (1 bit per channel, post-RoPE keys) on the calibration split
+    of the embedded corpus (research/data.py), never on text it is evaluated on."""
+    from research.transforms import CalibrationData, calibrate_and_apply
     if kv_codec not in KV_CODECS:
         raise ValueError(f"kv_codec must be one of {KV_CODECS}, got {kv_codec!r}")
-    engine = ServingEngine(model, tokenizer, kv_codec=kv_codec, n_blocks=n_blocks,
-                           block_size=block_size, max_batch=max_batch, max_queue=max_queue,
-                           speculative=speculative, prefix_cache=prefix_cache, seed=seed)
-    return engine, engine.max_context
+    if kv_codec == "f32":
+        return model
+    if kv_codec == "bf16":
+        from research.model.precision import kv_cache_dtype
+        return calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0]
+    if kv_codec == "int8":
+        from research.tasq import int8_kv
+        return calibrate_and_apply(int8_kv(), model, None)[0]
+    from research import data
+    from research.tasq import TaSQConfig, tasq
+    ids = tokenizer.encode(data.corpus_text("calibration"))
+    cal = CalibrationData.from_ids(ids, calibration_len, calibration_seqs)
+    return calibrate_and_apply(tasq(TaSQConfig(bits=1, seed=seed)), model, cal)[0]
+
+
+def build_engine(model, tokenizer, *, kv_codec: str = "bf16", n_blocks: int = 512,
+                 block_size: int = 16, max_batch: int = 8, max_len: int = 1024,
+                 max_queue: int = 64, speculative: int = 0, prefix_cache: bool = True,
+                 token_budget: int = 256, prefill_chunk: int = 64, seed: int = 0):
+    """A warmed-up ServingEngine over `model` with KV pages stored by `kv_codec`."""
+    from research.serving.engine import ServingEngine
+    served = kv_codec_model(model, tokenizer, kv_codec, seed=seed)
+    return ServingEngine(served, tokenizer, n_blocks=n_blocks, block_size=block_size,
+                         max_batch=max_batch, max_len=max_len, token_budget=token_budget,
+                         prefill_chunk=prefill_chunk, max_queue=max_queue,
+                         prefix_cache=prefix_cache, speculative=speculative)
 
 
 def main(argv):
@@ -738,12 +762,13 @@ def main(argv):
     from research.model import load
 
     model, tokenizer = load(f.gguf or None)
-    engine, max_context = build_engine(
+    engine = build_engine(
         model, tokenizer, kv_codec=f.kv_codec, n_blocks=f.n_blocks, block_size=f.block_size,
-        max_batch=f.max_batch, max_queue=f.max_queue, speculative=f.speculative,
-        prefix_cache=f.prefix_cache, seed=f.seed)
+        max_batch=f.max_batch, max_len=f.max_len, max_queue=f.max_queue,
+        speculative=f.speculative_tokens if f.speculative else 0,
+        prefix_cache=f.prefix_cache, token_budget=f.token_budget, seed=f.seed)
     engine_loop = EngineLoop(engine).start()
-    cfg = ServerConfig(model_name=f.model_name, max_context=max_context,
+    cfg = ServerConfig(model_name=f.model_name, max_context=f.max_len,
                        default_max_tokens=f.default_max_tokens)
     app = create_app(engine_loop, tokenizer, cfg)
     print(f"servax: serving {f.model_name} on http://{f.host}:{f.port} "
@@ -766,7 +791,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("block_size", 16, "tokens per KV block")
     flags.DEFINE_integer("max_batch", 8, "decode slots (requests running at once)")
     flags.DEFINE_integer("max_queue", 64, "waiting requests before 429")
-    flags.DEFINE_bool("speculative", False, "speculative decoding inside the engine")
+    flags.DEFINE_integer("max_len", 1024, "prompt + max_tokens per request")
+    flags.DEFINE_integer("token_budget", 256, "tokens per engine step (decode + prefill)")
+    flags.DEFINE_bool("speculative", False, "speculative decoding inside the engine "
+                      "(prompt-lookup drafts, greedy requests)")
+    flags.DEFINE_integer("speculative_tokens", 4, "draft tokens per step with --speculative")
     flags.DEFINE_bool("prefix_cache", True, "reuse KV blocks of shared prompt prefixes")
     flags.DEFINE_integer("default_max_tokens", 256, "chat max_tokens when a request has none")
     flags.DEFINE_integer("seed", 0, "engine seed")
