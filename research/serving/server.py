@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import math
 import queue
 import random
@@ -117,7 +118,15 @@ class EngineLoop:
             self._subscribers[request.request_id] = (loop, events)
         self._commands.put(("add", request, fut))
         self._wake.set()
+        if not self.alive:  # died between the check above and the put: nobody will answer
+            self._fail_future(fut)
         return fut
+
+    def _fail_future(self, fut: concurrent.futures.Future) -> None:
+        try:
+            fut.set_exception(EngineDead(f"engine stopped: {self.error!r}"))
+        except concurrent.futures.InvalidStateError:
+            pass
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -149,8 +158,8 @@ class EngineLoop:
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - reported to every waiting handler
             self.error = e
+            logging.getLogger("servax.server").exception("engine thread stopped")
             self._fail_all(e)
-            raise
 
     def _drain_commands(self) -> None:
         while True:
@@ -202,8 +211,8 @@ class EngineLoop:
                 kind, _, fut = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if fut is not None and not fut.done():
-                fut.set_exception(EngineDead(f"engine stopped: {error!r}"))
+            if fut is not None:
+                self._fail_future(fut)
         for loop, q in subs.values():
             try:
                 loop.call_soon_threadsafe(q.put_nowait, EngineDead(repr(error)))
