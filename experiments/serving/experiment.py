@@ -13,6 +13,16 @@ from research.model import load
 from research.serving.generate import default_stop_tokens
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# dev/test protocol declarations (experiments/protocol.py where it exists): nothing here
+# is tuned; engine sizes and SLOs were set a priori for a 2-core CPU
+TECHNIQUE = "serving"
+DEFAULTS_CHOSEN_ON = "none: engine sizes and SLOs set a priori for a 2-core CPU, not tuned"
+
+
+def defaults(config) -> dict:
+    return {"engine": config.engine.to_dict(), "slo": config.slo.to_dict()}
+
+
 COLUMNS = ["section", "variant", "rate", "ok", "out_tok_s", "goodput_req_s", "ttft_p50_ms",
            "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms", "peak_running",
            "hit_rate", "predicted_hit_rate"]

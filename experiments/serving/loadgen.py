@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import time
 from typing import Sequence
@@ -224,6 +225,7 @@ async def run_http_async(url: str, model: str, specs: Sequence[RequestSpec], *,
                          temperature: float = 0.0, timeout_s: float = 600.0,
                          usage: bool = True, max_connections: int = 512):
     import httpx
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     limits = httpx.Limits(max_connections=max_connections,
                           max_keepalive_connections=max_connections)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:

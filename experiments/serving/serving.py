@@ -34,25 +34,25 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.gguf_path = ""
     c.sections = ("sweep", "batching", "tasq", "prefix", "spec")
     c.engine = ml_collections.ConfigDict(dict(
-        kv_codec="bf16", n_blocks=256, block_size=16, max_batch=8, max_len=512,
-        token_budget=128, prefill_chunk=64, max_queue=1024))
+        kv_codec="bf16", n_blocks=128, block_size=16, max_batch=8, max_len=384,
+        token_budget=64, prefill_chunk=32, max_queue=1024))
     c.workload = ml_collections.ConfigDict(dict(
-        prompt_median=64, prompt_sigma=0.7, output_median=24, output_sigma=0.5,
-        max_prompt=256, max_output=64, burstiness=1.0, split="heldout"))
+        prompt_median=48, prompt_sigma=0.7, output_median=16, output_sigma=0.5,
+        max_prompt=192, max_output=48, burstiness=1.0, split="heldout"))
     c.slo = ml_collections.ConfigDict(dict(ttft_s=2.0, tpot_s=0.25))
     c.sweep = ml_collections.ConfigDict(dict(
-        rates=(0.5, 1.0, 2.0, 4.0, 8.0) if small else (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0,
+        rates=(0.25, 0.5, 1.0, 2.0, 4.0) if small else (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0,
                                                          8.0, 16.0),
-        n_requests=16 if small else 64))
-    c.batching = ml_collections.ConfigDict(dict(rate=4.0, n_requests=24 if small else 96))
+        n_requests=12 if small else 64))
+    c.batching = ml_collections.ConfigDict(dict(rate=2.0, n_requests=16 if small else 96))
     c.tasq = ml_collections.ConfigDict(dict(
-        budget_bf16_blocks=48, max_batch=64, n_requests=48 if small else 128,
-        prompt_tokens=96, max_tokens=32 if small else 64, calibration_seqs=16))
+        budget_bf16_blocks=24, max_batch=32, n_requests=32 if small else 128,
+        prompt_tokens=48, max_tokens=16 if small else 64, calibration_seqs=8 if small else 16))
     c.prefix = ml_collections.ConfigDict(dict(
-        group_sizes=(2, 4, 8), n_requests=16 if small else 64, prefix_tokens=192,
-        suffix_tokens=32, max_tokens=8, rate=2.0, price_per_m=2.00,
+        group_sizes=(2, 4, 8), n_requests=16 if small else 64, prefix_tokens=160,
+        suffix_tokens=24, max_tokens=4, rate=1.0, price_per_m=2.00,
         cached_price_factors=(0.05, 0.1)))
     c.spec = ml_collections.ConfigDict(dict(
-        draft_tokens=4, n_requests=8 if small else 32, rate=float("inf"), max_tokens=48,
-        passage_tokens=64))
+        draft_tokens=4, n_requests=4 if small else 32, rate=float("inf"), max_tokens=32,
+        passage_tokens=48))
     return c
