@@ -125,7 +125,9 @@ def tasq_vs_bf16(model, tok, config) -> tuple[list[dict], dict]:
                                prefix_cache=False)
         results, wall, samples = lg.run_engine(engine, tok, specs)
         s = _summ(config, results, wall)
+        per_seq = -(-(t.prompt_tokens + t.max_tokens) // e.block_size)
         info[name] = {"n_blocks": int(n_blocks), "peak_running": _peak(samples),
+                      "pool_capacity_seqs": int(n_blocks // per_seq),
                       "preemptions": engine.metrics().preemptions,
                       "out_tok_s": s["out_tok_s"],
                       "tokens_per_sequence": t.prompt_tokens + t.max_tokens}
@@ -288,10 +290,25 @@ def run(config, out_dir) -> common.Report:
     engine = _engine(model, tok, config)
     extra["warmup_s"] = time.perf_counter() - t0
     extra["stop_token_ids"] = list(default_stop_tokens(tok))
-    if "sweep" in config.sections:
-        rows += sweep(engine, tok, config)
-    if "batching" in config.sections:
-        b = batching(engine, tok, config)
+    failed = {}
+
+    def attempt(name, fn, *args):
+        """Run one section; a failure is recorded in the results (notes, extra), and the
+        other sections still run."""
+        if name not in config.sections:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported in the results, never hidden
+            import traceback
+            failed[name] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+            return None
+
+    out = attempt("sweep", sweep, engine, tok, config)
+    rows += out or []
+    b = attempt("batching", batching, engine, tok, config)
+    if b:
         rows += b
         claims.append({"claim": "continuous/static throughput (same load)", "target": "> 1",
                        "measured": b[0]["out_tok_s"] / b[1]["out_tok_s"],
@@ -299,19 +316,22 @@ def run(config, out_dir) -> common.Report:
         claims.append({"claim": "static/continuous p99 TTFT", "target": "> 1",
                        "measured": b[1]["ttft_p99_ms"] / b[0]["ttft_p99_ms"],
                        "met": b[1]["ttft_p99_ms"] > b[0]["ttft_p99_ms"]})
-    if "prefix" in config.sections:
-        p, extra["prefix"] = prefix(model, tok, engine, config)
+    out = attempt("prefix", prefix, model, tok, engine, config)
+    if out:
+        p, extra["prefix"] = out
         rows += p
-    if "spec" in config.sections:
-        s, extra["spec"] = spec(model, tok, engine, config)
+    out = attempt("spec", spec, model, tok, engine, config)
+    if out:
+        s, extra["spec"] = out
         rows += s
         rep = [r for r in s if r["variant"].startswith("repetitive")]
         claims.append({"claim": "spec decoding speed-up, repetitive load", "target": "> 1",
                        "measured": rep[1]["out_tok_s"] / rep[0]["out_tok_s"],
                        "met": rep[1]["out_tok_s"] > rep[0]["out_tok_s"]})
     del engine
-    if "tasq" in config.sections:
-        t, extra["tasq"] = tasq_vs_bf16(model, tok, config)
+    out = attempt("tasq", tasq_vs_bf16, model, tok, config)
+    if out:
+        t, extra["tasq"] = out
         rows += t
         ti = extra["tasq"]
         claims.append({"claim": "TaSQ 1-bit / bf16 peak concurrent sequences (same bytes)",
@@ -326,6 +346,8 @@ def run(config, out_dir) -> common.Report:
              f"goodput = requests/s meeting both",
              f"engine: {dict(config.engine)}; latencies from arrival (HTTP: measured at the "
              f"client from SSE chunks)"]
+    extra["failed_sections"] = failed
+    notes += [f"section {k} FAILED: {v}" for k, v in failed.items()]
     for key, val in extra.get("prefix", {}).items():
         notes.append(f"prefix {key}: cached fraction {val['cached_fraction']:.3f}, predicted "
                      f"{val['predicted']:.3f} (block-rounded {val['predicted_block_rounded']:.3f})"
@@ -339,7 +361,11 @@ def run(config, out_dir) -> common.Report:
         notes.append(f"tasq: budget {ti['budget_bytes']} bytes = "
                      f"{config.tasq.budget_bf16_blocks} bf16 blocks; block bytes "
                      f"{ti['block_bytes']}; blocks bf16 {ti['bf16']['n_blocks']}, tasq "
-                     f"{ti['tasq-1bit']['n_blocks']}; preemptions bf16 "
+                     f"{ti['tasq-1bit']['n_blocks']}; pool capacity (sequences of "
+                     f"{config.tasq.prompt_tokens}+{config.tasq.max_tokens} tokens) bf16 "
+                     f"{ti['bf16']['pool_capacity_seqs']}, tasq "
+                     f"{ti['tasq-1bit']['pool_capacity_seqs']} (max_batch "
+                     f"{config.tasq.max_batch}); preemptions bf16 "
                      f"{ti['bf16']['preemptions']}, tasq {ti['tasq-1bit']['preemptions']}")
     return common.Report(columns=COLUMNS, rows=rows, claims=claims, extra=extra, notes=notes,
                          title="servax serve: continuous batching engine and HTTP server (CPU)",

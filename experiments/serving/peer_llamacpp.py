@@ -55,17 +55,35 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.peer_python = "/work/peer-venv/bin/python"
     c.servers = ("servax", "llama.cpp")
     c.threads = os.cpu_count() or 1
-    c.rates = (0.5, 1.0, 2.0, 4.0) if small else (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-    c.n_requests = 16 if small else 48
+    c.rates = (0.5, 1.0, 2.0) if small else (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+    c.n_requests = 8 if small else 48
     c.servax = ml_collections.ConfigDict(dict(
-        kv_codec="bf16", n_blocks=256, block_size=16, max_batch=8, max_len=512,
-        token_budget=128, max_queue=1024))
+        kv_codec="bf16", n_blocks=128, block_size=16, max_batch=8, max_len=384,
+        token_budget=64, prefill_chunk=32, max_queue=1024))
     c.workload = ml_collections.ConfigDict(dict(
-        prompt_median=64, prompt_sigma=0.7, output_median=24, output_sigma=0.5,
-        max_prompt=256, max_output=64, split="heldout"))
+        prompt_median=48, prompt_sigma=0.7, output_median=16, output_sigma=0.5,
+        max_prompt=192, max_output=48, split="heldout"))
     c.slo = ml_collections.ConfigDict(dict(ttft_s=2.0, tpot_s=0.25))
     c.start_timeout_s = 900
     return c
+
+
+# llama-cpp-python's server, with ggml's weight repacking ("extra buffer types") off: this
+# VM lists AMX in /proc/cpuinfo and ggml's AMX Q4_1 matmul segfaults in it
+# (ggml_backend_amx_mul_mat, SIGSEGV in llama_decode); without repacking ggml uses its
+# AVX-512 Q4_1 kernels. Arguments after the code are the server's own.
+PEER_LAUNCHER = """
+import runpy, sys
+import llama_cpp.llama_cpp as C
+_default = C.llama_model_default_params
+def _no_repack():
+    p = _default()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _no_repack
+sys.argv = ["llama_cpp.server"] + sys.argv[1:]
+runpy.run_module("llama_cpp.server", run_name="__main__")
+"""
 
 
 def _free_port() -> int:
@@ -98,10 +116,11 @@ def _command(name: str, config, port: int, gguf: str) -> list[str]:
                 f"--port={port}", f"--gguf={config.gguf_path}", f"--kv_codec={s.kv_codec}",
                 f"--n_blocks={s.n_blocks}", f"--block_size={s.block_size}",
                 f"--max_batch={s.max_batch}", f"--max_len={s.max_len}",
-                f"--token_budget={s.token_budget}", f"--max_queue={s.max_queue}",
+                f"--token_budget={s.token_budget}", f"--prefill_chunk={s.prefill_chunk}",
+                f"--max_queue={s.max_queue}",
                 "--log_level=warning"]
     if name == "llama.cpp":
-        return [config.peer_python, "-m", "llama_cpp.server", "--model", gguf,
+        return [config.peer_python, "-c", PEER_LAUNCHER, "--model", gguf,
                 "--model_alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                 "--n_ctx", str(config.servax.max_len), "--n_threads", str(config.threads),
                 "--interrupt_requests", "False", "--verbose", "False"]
@@ -171,7 +190,8 @@ def run(config, out_dir) -> common.Report:
     notes = [f"same seeded workloads for both servers ({config.n_requests} requests per rate, "
              f"Poisson arrivals, greedy, streaming /v1/completions); GGUF {extra['gguf']}; "
              f"llama-cpp-python {extra['llama_cpp_python']} with n_threads={config.threads}, "
-             f"interrupt_requests=False; servax {dict(config.servax)}",
+             f"interrupt_requests=False and weight repacking off (ggml's AMX path segfaults in this "
+             f"VM); servax {dict(config.servax)}",
              "output tokens are counted as SSE chunks carrying text (both servers send one "
              "token per chunk); each server stops at its own EOS, so mean_out_tokens can differ",
              f"SLOs: TTFT <= {config.slo.ttft_s} s, TPOT <= {config.slo.tpot_s} s"]

@@ -1,7 +1,7 @@
 r"""servax serve: latency/throughput of the continuous-batching engine and its server.
 
 Command:   python -m experiments.run --config=experiments/serving/serving.py:small
-Hardware:  CPU. small = a few minutes on 2 idle cores (16-24 requests per point);
+Hardware:  CPU. small = ~15 minutes on 2 busy cores (4-24 requests per point);
            full = the same sections with ~4x the requests and a wider rate sweep.
 Sections (one run each, SmolLM2-135M-Instruct, f32 weights):
   sweep      the HTTP server (real uvicorn, streaming /v1/completions) under seeded
@@ -41,18 +41,18 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         max_prompt=192, max_output=48, burstiness=1.0, split="heldout"))
     c.slo = ml_collections.ConfigDict(dict(ttft_s=2.0, tpot_s=0.25))
     c.sweep = ml_collections.ConfigDict(dict(
-        rates=(0.25, 0.5, 1.0, 2.0, 4.0) if small else (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0,
+        rates=(0.5, 1.0, 2.0, 4.0) if small else (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0,
                                                          8.0, 16.0),
-        n_requests=12 if small else 64))
-    c.batching = ml_collections.ConfigDict(dict(rate=2.0, n_requests=16 if small else 96))
+        n_requests=8 if small else 64))
+    c.batching = ml_collections.ConfigDict(dict(rate=2.0, n_requests=12 if small else 96))
     c.tasq = ml_collections.ConfigDict(dict(
-        budget_bf16_blocks=24, max_batch=32, n_requests=32 if small else 128,
-        prompt_tokens=48, max_tokens=16 if small else 64, calibration_seqs=8 if small else 16))
+        budget_bf16_blocks=24, max_batch=24, n_requests=24 if small else 128,
+        prompt_tokens=48, max_tokens=12 if small else 64, calibration_seqs=4 if small else 16))
     c.prefix = ml_collections.ConfigDict(dict(
-        group_sizes=(2, 4, 8), n_requests=16 if small else 64, prefix_tokens=160,
-        suffix_tokens=24, max_tokens=4, rate=1.0, price_per_m=2.00,
+        group_sizes=(2, 4) if small else (2, 4, 8), n_requests=8 if small else 64, prefix_tokens=160,
+        suffix_tokens=24, max_tokens=2, rate=0.5, price_per_m=2.00,
         cached_price_factors=(0.05, 0.1)))
     c.spec = ml_collections.ConfigDict(dict(
-        draft_tokens=4, n_requests=4 if small else 32, rate=float("inf"), max_tokens=32,
+        draft_tokens=4, n_requests=4 if small else 32, rate=float("inf"), max_tokens=24,
         passage_tokens=48))
     return c

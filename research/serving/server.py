@@ -775,7 +775,8 @@ def main(argv):
         model, tokenizer, kv_codec=f.kv_codec, n_blocks=f.n_blocks, block_size=f.block_size,
         max_batch=f.max_batch, max_len=f.max_len, max_queue=f.max_queue,
         speculative=f.speculative_tokens if f.speculative else 0,
-        prefix_cache=f.prefix_cache, token_budget=f.token_budget, seed=f.seed)
+        prefix_cache=f.prefix_cache, token_budget=f.token_budget,
+        prefill_chunk=f.prefill_chunk, seed=f.seed)
     engine_loop = EngineLoop(engine).start()
     cfg = ServerConfig(model_name=f.model_name, max_context=f.max_len,
                        default_max_tokens=f.default_max_tokens)
@@ -802,6 +803,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_queue", 64, "waiting requests before 429")
     flags.DEFINE_integer("max_len", 1024, "prompt + max_tokens per request")
     flags.DEFINE_integer("token_budget", 256, "tokens per engine step (decode + prefill)")
+    flags.DEFINE_integer("prefill_chunk", 64, "prompt tokens per prefill row per step")
     flags.DEFINE_bool("speculative", False, "speculative decoding inside the engine "
                       "(prompt-lookup drafts, greedy requests)")
     flags.DEFINE_integer("speculative_tokens", 4, "draft tokens per step with --speculative")
