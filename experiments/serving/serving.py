@@ -43,11 +43,11 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.sweep = ml_collections.ConfigDict(dict(
         rates=(0.5, 1.0, 2.0, 4.0) if small else (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0,
                                                          8.0, 16.0),
-        n_requests=8 if small else 64))
-    c.batching = ml_collections.ConfigDict(dict(rate=2.0, n_requests=12 if small else 96))
+        n_requests=6 if small else 64))
+    c.batching = ml_collections.ConfigDict(dict(rate=2.0, n_requests=8 if small else 96))
     c.tasq = ml_collections.ConfigDict(dict(
-        budget_bf16_blocks=24, max_batch=24, n_requests=24 if small else 128,
-        prompt_tokens=48, max_tokens=12 if small else 64, calibration_seqs=4 if small else 16))
+        budget_bf16_blocks=24, max_batch=16, n_requests=16 if small else 128,
+        prompt_tokens=48, max_tokens=8 if small else 64, calibration_seqs=4 if small else 16))
     c.prefix = ml_collections.ConfigDict(dict(
         group_sizes=(2, 4) if small else (2, 4, 8), n_requests=8 if small else 64, prefix_tokens=160,
         suffix_tokens=24, max_tokens=2, rate=0.5, price_per_m=2.00,
