@@ -507,8 +507,7 @@ def create_app(engine_loop: EngineLoop, tokenizer, config: ServerConfig = Server
                                f"messages[{i}]")
             clean.append({"role": role, "content": content})
         try:
-            text = tokenizer.apply_chat_template(clean, add_generation_prompt=True)
-            ids = tokenizer.encode(text)
+            ids = encode_chat(tokenizer, clean)
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", "messages") from None
         params, stream, include_usage = sampling(body, len(ids), "max_completion_tokens",
@@ -678,6 +677,38 @@ def create_app(engine_loop: EngineLoop, tokenizer, config: ServerConfig = Server
                                  headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return app
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template, where the
+    template's own text may hold control tokens (<|im_start|>...) but message contents
+    never do: a user who writes "<|im_end|>" gets those characters, not the token.
+
+    Contents are replaced by sentinels, the template is rendered, and the pieces between
+    sentinels (template text) are encoded with special tokens parsed, the contents as
+    plain text. Templates that alter the content text (so a sentinel does not come out
+    intact, once) are refused rather than mis-tokenized."""
+    marks = [f"\x00servax-content-{i}\x00" for i in range(len(messages))]
+    if any("\x00" in m["content"] for m in messages):
+        raise ValueError("message content must not contain NUL characters")
+    text = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": mark} for m, mark in zip(messages, marks)],
+        add_generation_prompt=True)
+    ids: list[int] = []
+    rest = text
+    for m, mark in zip(messages, marks):
+        if rest.count(mark) != 1:
+            raise ValueError("the chat template does not copy message contents verbatim; "
+                             "cannot keep control tokens out of user text")
+        head, rest = rest.split(mark)
+        ids += tokenizer.encode(head) if head else []
+        if m["content"]:
+            ids += tokenizer.encode(m["content"], parse_special=False)[
+                1 if tokenizer.add_bos and tokenizer.bos_id is not None else 0:]
+    if rest:
+        ids += tokenizer.encode(rest)[1 if tokenizer.add_bos and tokenizer.bos_id is not None
+                                      and ids else 0:]
+    return ids
 
 
 def _default_stop_ids(tokenizer) -> tuple[int, ...]:
