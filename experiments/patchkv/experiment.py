@@ -591,8 +591,10 @@ def run(config, out_dir=None) -> common.Report:
                "total_MB_bf16"]
     closed = {f"{r['compression']}@{r['budget']:.3g}": gap_closed(rows, r["compression"],
                                                                  r["budget"])
-              for r in rows if r["method"] == "none" and "ppl" in r}
-    per_context = gap_closed_per_context(records)
+              for r in rows if r["method"] == "none" and "ppl" in r
+              and any(o["method"] == "patchkv" and o["compression"] == r["compression"]
+                      and o["budget"] == r["budget"] for o in rows)}
+    per_context = {k: v for k, v in gap_closed_per_context(records).items() if k in closed}
     even = break_even(records)
     full_kv = [rec["kv_bytes"] for rec in records if rec["method"] == "full"]
     notes = [
