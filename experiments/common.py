@@ -2,9 +2,12 @@
 research.core.timing)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -80,6 +83,24 @@ def git_state(repo: str | Path | None = None) -> dict:
             "dirty_paths": paths[:MAX_DIRTY_PATHS]}
 
 
+@contextlib.contextmanager
+def bench_lock():
+    """Hold the machine's benchmark lock (an flock on the file named by $SERVAX_BENCH_LOCK)
+    while timing, so timings on a shared machine are not taken while another job times;
+    a no-op when the variable is unset. Lets a long run hold the lock only for its timed
+    section instead of wrapping the whole command in `flock`."""
+    path = os.environ.get("SERVAX_BENCH_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def fmt(x) -> str:
     if isinstance(x, float):
         if x != x:
@@ -110,9 +131,11 @@ def render_markdown(report: Report) -> str:
 
 
 def write_results(report: Report, out_dir: Path, config_dict: dict, seed: int,
-                  argv: Sequence[str], elapsed_s: float, git: dict | None = None) -> None:
-    """Write results.json (with config, seed, versions, git state, command, elapsed),
-    table.md and plot.png into out_dir.
+                  argv: Sequence[str], elapsed_s: float, git: dict | None = None,
+                  protocol: dict | None = None) -> None:
+    """Write results.json (with config, seed, versions, git state, command, elapsed, and
+    the dev/test protocol block of experiments/protocol.py), table.md and plot.png into
+    out_dir.
 
     `git` is `git_state()` taken when the run started (the code that ran); when None it
     is taken now.
@@ -121,7 +144,7 @@ def write_results(report: Report, out_dir: Path, config_dict: dict, seed: int,
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"title": report.title, "config": config_dict, "seed": seed,
                "versions": versions(), "git": git if git is not None else git_state(),
-               "command": " ".join(argv),
+               "command": " ".join(argv), "protocol": protocol,
                "elapsed_s": round(elapsed_s, 2), "columns": list(report.columns),
                "rows": report.rows, "claims": report.claims, "notes": report.notes,
                "tables": report.tables, "extra": report.extra}

@@ -96,8 +96,9 @@ def main(argv) -> None:
     import jax  # after XLA_FLAGS are final
     jax.config.update("jax_default_matmul_precision", config.get("matmul_precision",
                                                                   "highest"))
-    from experiments import common
+    from experiments import common, protocol
     module = importlib.import_module(config.experiment)
+    protocol.validate(module, config)  # the dev/test protocol: refuse before running
     logging.info("running %s (%s)", config.run_name, config.experiment)
     out_dir = Path(_WORKDIR.value) / config.run_name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,11 +107,16 @@ def main(argv) -> None:
     t0 = time.perf_counter()
     report = module.run(config, out_dir)
     elapsed = time.perf_counter() - t0
+    # the ledger lives beside the result folders: results/ledger/<technique>.json
+    block = protocol.protocol_block(module, config, commit=git.get("commit"),
+                                    ledger_dir=Path(_WORKDIR.value) / "ledger")
     common.write_results(report, out_dir, config.to_dict(), config.seed, command, elapsed,
-                         git=git)
+                         git=git, protocol=block)
     print(common.render_markdown(report))
     print(f"wrote {out_dir}/results.json, table.md" + (", plot.png" if report.plot else "")
-          + f" in {elapsed:.0f}s")
+          + f" in {elapsed:.0f}s; {block['split']} split of {block['technique']}"
+          + (f", test scorings with these defaults: {block['test_scorings']}"
+             if block["split"] == "test" else ""))
 
 
 if __name__ == "__main__":

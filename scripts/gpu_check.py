@@ -179,17 +179,17 @@ def check_gmm(rng, quick: bool) -> list[dict]:
     variants = [(dtype, 2, 1000, ragged, True) for dtype in (jnp.float32, jnp.bfloat16)]
     variants += [(jnp.bfloat16, 1, 1000, ragged, False),
                  (jnp.bfloat16, 2, 1024, [128] * 8, False)]
-    shipped = gmm_kernel._compiler_params
+    shipped = gmm_kernel.compiler_params
     rows = []
     for dtype, stages, m, sizes, full in variants:
-        gmm_kernel._compiler_params = lambda backend, semantics, stages=stages: (
+        gmm_kernel.compiler_params = lambda backend, semantics, stages=stages: (
             pltriton.CompilerParams(num_warps=4, num_stages=stages))
         try:
             for op, (want, got) in _gmm_pairs(rng, dtype, m, sizes, full).items():
                 rows.append(checked({"dtype": jnp.dtype(dtype).name, "num_stages": stages,
                                      "m": m, "op": op}, got, want()))
         finally:
-            gmm_kernel._compiler_params = shipped
+            gmm_kernel.compiler_params = shipped
     return rows
 
 

@@ -28,7 +28,7 @@ def test_load_text(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         data.load_text(str(tmp_path / "e.txt"))
     with pytest.raises(ValueError, match="split"):
-        data.corpus_text("test")
+        data.corpus_text("validation")
 
 
 def test_load_text_names_a_non_utf8_file(tmp_path):

@@ -105,3 +105,28 @@ def test_decode_step_lowers_to_the_pallas_kernel_by_default(make, platform):
 def test_decode_step_on_cpu_is_xla(make):
     targets = _decode_targets(make(), "cpu")
     assert not has_pallas_call(targets, "tpu") and not has_pallas_call(targets, "cuda")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_serving_engine_decode_step_lowers_to_the_paged_kernel(platform):
+    """The engine's decode forward ([max_batch, 1] with per-row sampling) reaches the
+    Pallas paged-attention kernel on TPU and CUDA by default."""
+    from research.serving.engine import ServingEngine, serve_forward
+
+    class Tok:
+        eos_id = None
+
+        def token_to_id(self, token):
+            return None
+
+    model = make_model(DECODE_CONFIG, init_params(DECODE_CONFIG, jax.random.key(0)))
+    engine = ServingEngine(model, Tok(), n_blocks=16, block_size=16, max_batch=4, max_len=64,
+                           token_budget=8, warmup=False)
+    b, m = 4, engine.pool.max_blocks
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    lowered = serve_forward.trace(
+        engine.pool.model, engine.pool.pools, i32(b, m), i32(b, 1), i32(b), i32(b), f32(b),
+        i32(b), f32(b), jax.ShapeDtypeStruct((b, 2), jnp.uint32), verify=False
+    ).lower(lowering_platforms=(platform,))
+    assert has_pallas_call(custom_call_targets(lowered.as_text()), platform)

@@ -17,7 +17,8 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.run_name = f"baseline_{arg}"
     c.seed = 0
     c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
-    c.text_path = ""  # empty: held-out prose of pydoc_data.topics
+    c.text_path = ""  # empty: the test half of the held-out prose (research/data.py)
+    c.text_split = "test"
     small = arg == "small"
     c.ppl = ml_collections.ConfigDict(dict(
         window=256 if small else 1024, stride=128 if small else 512,

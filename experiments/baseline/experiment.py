@@ -15,6 +15,15 @@ from research.serving import generate as gen
 from research.model.precision import kv_cache_dtype, weights_dtype
 from research.transforms import chain
 
+# the dev/test protocol (experiments/protocol.py): the baseline tunes nothing
+TECHNIQUE = "baseline"
+DEFAULTS_CHOSEN_ON = "nothing chosen: the model as loaded, f32 and bf16"
+
+
+def defaults(config) -> dict:
+    return {"dtypes": list(config.throughput.dtypes)}
+
+
 VARIANTS = {"float32": chain(), "bfloat16": chain(weights_dtype("bfloat16"),
                                                   kv_cache_dtype("bfloat16"))}
 
@@ -59,7 +68,7 @@ def memory_rows(model, budget_gib: float, contexts) -> list[dict]:
 def run(config, out_dir) -> common.Report:
     del out_dir  # the runner writes the report; nothing else to save
     model, tok = load(config.gguf_path or None)
-    ids = tok.encode(data.load_text(config.text_path))
+    ids = tok.encode(data.load_text(config.text_path, split=config.text_split))
     rows = []
     for dtype in VARIANTS:
         m = _variant(model, dtype)

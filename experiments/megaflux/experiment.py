@@ -26,6 +26,18 @@ from research.model.llama import forward
 from research.moe import TrainConfig, batch_at, encode, routing_traces, train
 from research.transforms import calibrate_and_apply
 
+# the dev/test protocol (experiments/protocol.py)
+TECHNIQUE = "megaflux"
+DEFAULTS_CHOSEN_ON = ("fixed before the first run, not tuned on any split (no dev sweep): "
+                      "replica slots, min_replica_frac, the EPLB and capacity baselines' "
+                      "settings")
+
+
+def defaults(config) -> dict:
+    return {"methods": config.methods.to_dict(),
+            "replica_slots": [config.traces.replica_slots, config.synthetic.replica_slots]}
+
+
 METHODS = ("static EP", "EPLB", "capacity 1.25", "MegaFlux")
 _plan = jax.jit(plan_replicas, static_argnums=(1, 2, 3))
 _counts = jax.jit(instance_counts)

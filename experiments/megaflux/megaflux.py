@@ -41,7 +41,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         weight_decay=0.01, aux_loss_coef=1e-3, seed=0, ckpt_every=50,
         split="calibration"))
     c.traces = ml_collections.ConfigDict(dict(
-        split="heldout", steps=16 if small else 64, tokens_per_device=2048,
+        split="test", steps=16 if small else 64, tokens_per_device=2048,
         replica_slots=2))
     c.ep = ml_collections.ConfigDict(dict(n_devices=8))
     c.synthetic = ml_collections.ConfigDict(dict(

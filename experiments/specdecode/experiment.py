@@ -23,6 +23,16 @@ from research.specdecode import (DraftLengthPolicy, chisquare_pvalue, early_exit
                                  prompt_lookup, speculative_generate)
 
 
+# the dev/test protocol (experiments/protocol.py)
+TECHNIQUE = "specdecode"
+DEFAULTS_CHOSEN_ON = "python -m experiments.run --config=experiments/specdecode/specdecode.py:dev"
+
+
+def defaults(config) -> dict:
+    return {"policy": config.policy.to_dict(), "draft_lengths": list(config.draft_lengths),
+            "max_ngram": config.max_ngram}
+
+
 def _ids(tok, prompt):
     text, chat = prompt
     if chat:
@@ -60,19 +70,28 @@ def _cost_curves(model, config, max_len):
 def _variants(config, costs):
     ks = tuple(config.draft_lengths)
     lookup = prompt_lookup(config.max_ngram)
+    fit = tuple(costs["prompt_lookup"]["linear_fit"])
+    if config.split == "dev":  # the policy grid
+        return {_grid_name(g): (lookup, DraftLengthPolicy(draft_lengths=ks, costs=fit, **g))
+                for g in config.policy_grid}
     return {
-        "lookup_adaptive": (lookup, DraftLengthPolicy(
-            draft_lengths=ks, costs=tuple(costs["prompt_lookup"]["linear_fit"]))),
+        "lookup_adaptive": (lookup, DraftLengthPolicy(draft_lengths=ks, costs=fit,
+                                                      **config.policy)),
         f"lookup_fixed_k{config.fixed_draft}": (lookup, DraftLengthPolicy(
             draft_lengths=(0, config.fixed_draft), adaptive=False)),
     }
 
 
+def _grid_name(g) -> str:
+    return ("lookup_adaptive[" + ",".join(f"{k}={g[k]}" for k in sorted(g)) + "]")
+
+
 def _prompt_rows(model, tok, config, variants, exit_variant, stops):
-    """One row per (category, prompt, variant) with acceptance, tokens/forward, speedup."""
+    """One row per (category, prompt, variant) with acceptance, tokens/forward, speedup:
+    every prompt of the config's split (prompts.py)."""
     rows = []
-    cats = [("repetitive", P.REPETITIVE[:config.n_repetitive]),
-            ("free_form", P.FREE_FORM[:config.n_free_form])]
+    repetitive, free_form = P.PROMPTS[config.split]
+    cats = [("repetitive", repetitive), ("free_form", free_form)]
     jobs = [(cat, i, text) for cat, texts in cats for i, text in enumerate(texts)]
     for cat, i, text in tqdm(jobs, desc="prompts"):
         ids = [_ids(tok, text)]
@@ -126,7 +145,7 @@ def _summary(rows):
 
 def _batched_row(model, tok, config, variants, stops):
     """Rows of both categories in one batch: each accepts its own number per step."""
-    texts = (P.REPETITIVE[:config.batch_rows // 2] +
+    texts = (P.REPETITIVE[:config.batch_rows // 2] +  # test prompts
              P.FREE_FORM[:config.batch_rows - config.batch_rows // 2])
     ids = [_ids(tok, t) for t in texts]
     drafter, policy = variants["lookup_adaptive"]
@@ -143,6 +162,33 @@ def _batched_row(model, tok, config, variants, stops):
             "cpu_speedup": _paired_speedup(times, "lookup_adaptive", "cpu_s"),
             "greedy_identical": spec.tokens == outs["plain"].tokens,
             "tokens_per_forward_per_row": per_row, "acceptance": st.acceptance_rate}
+
+
+def _dev_report(config, rows, summary, costs) -> common.Report:
+    """The policy choice: the grid entry with the best geometric-mean speedup in process
+    CPU time (plain / variant, same round; insensitive to other jobs on a shared machine)
+    over every dev prompt (both categories); config.policy must be that entry."""
+    by_variant = {}
+    for r in rows:
+        if r["variant"] != "plain":
+            by_variant.setdefault(r["variant"], []).append(r["cpu_speedup"])
+    score = {v: geomean(s) for v, s in by_variant.items()}
+    best = max(score, key=score.get)
+    chosen = _grid_name(config.policy.to_dict())
+    claims = [common.claim("dev: config.policy is the grid entry with the best geomean CPU-"
+                           "time speedup over all dev prompts", best,
+                           f"{chosen}; " + ", ".join(f"{v}: {x:.3f}x" for v, x in
+                                                     score.items()), chosen == best)]
+    columns = ["category", "prompt", "variant", "prompt_tokens", "new_tokens", "acceptance",
+               "tokens_per_forward", "branches", "wall_s", "speedup", "cpu_speedup",
+               "greedy_identical"]
+    return common.Report(columns=columns, rows=rows, claims=claims,
+                         title="Speculative decoding, DEV prompts: draft-length policy grid",
+                         extra={"summary": summary, "geomean_speedup": score,
+                                "step_costs": costs}, plot=_plot(summary, costs),
+                         notes=[f"dev prompts of prompts.py; {config.repeats} interleaved "
+                                "rounds per prompt after a warm-up; speedup = median over "
+                                "rounds of plain wall / variant wall in the same round"])
 
 
 def _tiny_exactness(config):
@@ -208,7 +254,7 @@ def _plot(summary, costs):
 def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
     stops = default_stop_tokens(tok)
-    longest = max(len(_ids(tok, t)) for t in P.REPETITIVE + P.FREE_FORM)
+    longest = max(len(_ids(tok, t)) for t in sum(P.PROMPTS[config.split], ()))
     max_len = round_up(longest + config.max_new_tokens, PAD_BUCKET)
     costs = _cost_curves(model, config, max_len)
     variants = _variants(config, costs)
@@ -218,6 +264,8 @@ def run(config, out_dir=None) -> common.Report:
             costs=tuple(costs["early_exit"]["linear_fit"])))}
     rows = _prompt_rows(model, tok, config, variants, exit_variant, stops)
     summary = _summary(rows)
+    if config.split == "dev":
+        return _dev_report(config, rows, summary, costs)
     batched = _batched_row(model, tok, config, variants, stops) if config.batch_rows else None
     tiny = _tiny_exactness(config)
     real = _smollm2_exactness(model, tok, config)

@@ -26,9 +26,26 @@ from research.tasq import (CQCodec, TaSQConfig, attention_output_error, bits_per
 from research.model.precision import kv_cache_dtype
 from research.transforms import CalibrationData, calibrate_and_apply, chain
 
+# the dev/test protocol (experiments/protocol.py)
+TECHNIQUE = "tasq"
+DEFAULTS_CHOSEN_ON = "python -m experiments.run --config=experiments/tasq/tasq.py:dev"
+
+
+def defaults(config) -> dict:
+    """TaSQ's library defaults (TaSQConfig), the key space among them."""
+    return {k: v for k, v in TaSQConfig().to_dict().items()
+            if k not in ("implementation", "interpret")}
+
+
 BF16 = "bf16"
-TASQ = "TaSQ (1 bit)"
+TASQ_POST = "TaSQ (1 bit, post-RoPE keys)"
 TASQ_PRE = "TaSQ (1 bit, pre-RoPE keys)"
+KEY_SPACE_ROWS = {"post_rope": TASQ_POST, "pre_rope": TASQ_PRE}
+
+
+def default_row() -> str:
+    """The row of TaSQ's default configuration (TaSQConfig().key_space)."""
+    return KEY_SPACE_ROWS[TaSQConfig().key_space]
 # decode-attention timing: (key, label, plot style); "1bit" reads TaSQ's post-RoPE codes
 # through lookup tables, "1bit_pre" TaSQ's pre-RoPE codes (two-pass: block scores, bins)
 TIMED = (("bf16", "bf16 dense", "o-"), ("1bit", "1-bit post-RoPE (LUT)", "s-"),
@@ -39,10 +56,13 @@ def variants(config) -> list[tuple[str, str, object]]:
     """(name, role, transform) for every row of the table."""
     km = dict(kmeans_iters=config.tasq.kmeans_iters, max_points=config.tasq.max_points,
               seed=config.seed)
-    full = TaSQConfig(bits=1, **km)
+    full = TaSQConfig(bits=1, key_space="post_rope", **km)
     abl = lambda **ch: tasq(dataclasses.replace(full, **ch))  # noqa: E731
     k = config.kivi
-    return [
+    if config.split == "dev":  # the key-space choice: the two candidates and f32 only
+        return [("f32", "reference", chain()), (TASQ_POST, "tasq", tasq(full)),
+                (TASQ_PRE, "tasq", abl(key_space="pre_rope"))]
+    rows = [
         ("f32", "reference", chain()),
         (BF16, "baseline", kv_cache_dtype("bfloat16")),
         ("int8 per-token", "baseline", int8_kv()),
@@ -51,21 +71,28 @@ def variants(config) -> list[tuple[str, str, object]]:
         ("plain VQ", "baseline 1-bit", plain_vq(1, **km)),
         ("CQ-style (pre-RoPE)", "baseline 1-bit", cq_style(1, km["kmeans_iters"],
                                                             km["max_points"], config.seed)),
-        (TASQ, "tasq", tasq(full)),
-        ("TaSQ - query weighting", "ablation", abl(query_weighting=False)),
-        ("TaSQ - channel grouping", "ablation", abl(channel_grouping=False)),
-        ("TaSQ - head normalization", "ablation", abl(head_normalization=False)),
-        ("TaSQ shared codebooks", "ablation", abl(share_codebooks=True)),
-        ("TaSQ shared codebooks - head norm", "ablation",
+        (TASQ_POST, "tasq", tasq(full)),
+        ("TaSQ post-RoPE - query weighting", "ablation", abl(query_weighting=False)),
+        ("TaSQ post-RoPE - channel grouping", "ablation", abl(channel_grouping=False)),
+        ("TaSQ post-RoPE - head normalization", "ablation", abl(head_normalization=False)),
+        ("TaSQ post-RoPE shared codebooks", "ablation", abl(share_codebooks=True)),
+        ("TaSQ post-RoPE shared codebooks - head norm", "ablation",
          abl(share_codebooks=True, head_normalization=False)),
-        ("TaSQ (2 bits)", "tasq", tasq(dataclasses.replace(full, bits=2))),
-        # Quality mode: the same ingredients on pre-RoPE keys (CQ's key space and read path).
+        # 2 bits in the default key space
+        ("TaSQ (2 bits)", "tasq", tasq(TaSQConfig(bits=2, **km))),
+        # the same ingredients on pre-RoPE keys (CQ's key space, blockwise read)
         (TASQ_PRE, "tasq", abl(key_space="pre_rope")),
         ("TaSQ pre-RoPE - query weighting", "ablation",
          abl(key_space="pre_rope", query_weighting=False)),
         ("TaSQ pre-RoPE - channel grouping", "ablation",
          abl(key_space="pre_rope", channel_grouping=False)),
     ]
+    only = tuple(config.get("rows", ()))
+    unknown = set(only) - {r[0] for r in rows}
+    if unknown:
+        raise ValueError(f"config.rows: unknown rows {sorted(unknown)}; expected names from "
+                         f"{[r[0] for r in rows]}")
+    return [r for r in rows if not only or r[0] in only]
 
 
 def measure_variant(model, transform, cal, held_ids, attn_tokens, config) -> dict:
@@ -173,73 +200,110 @@ def _decode_step(cache, state, c, batch, context, rng):
 
 # -- report -------------------------------------------------------------------------------------
 
+ROLE_COLORS = {"reference": "gray", "baseline": "tab:blue", "baseline 1-bit": "tab:orange",
+               "tasq": "tab:green", "ablation": "tab:olive"}
+
+
 def _plot(rows, timing):
+    """Left: perplexity per codec as labelled bars (one row each, no overlapping point
+    labels); right: decode attention time against context."""
     def draw(fig):
-        ax1, ax2 = fig.subplots(1, 2)
-        for r in rows:
-            if r["codec"] == "f32":
-                ax1.axhline(r["perplexity"], color="gray", ls="--", lw=1, label="f32")
-                continue
-            marker = "*" if r["role"] == "tasq" else ("x" if r["role"] == "ablation" else "o")
-            ax1.scatter(r["bits/ch"], r["perplexity"], marker=marker, s=60)
-            ax1.annotate(r["codec"], (r["bits/ch"], r["perplexity"]), fontsize=6,
-                         xytext=(3, 2), textcoords="offset points")
-        ax1.set_xscale("log", base=2)
-        ax1.set_yscale("log")
-        ax1.set_xlabel("bits per channel (cache state, all overhead)")
-        ax1.set_ylabel("held-out perplexity")
-        ax1.legend(fontsize=7)
+        from matplotlib.patches import Patch
+        fig.set_size_inches(12, 6.5)
+        ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
+        f32 = rows[0]["perplexity"]
+        y = np.arange(len(rows))
+        ax1.barh(y, [r["perplexity"] for r in rows],
+                 color=[ROLE_COLORS.get(r["role"], "tab:purple") for r in rows])
+        ax1.set_yticks(y, [f"{r['codec']}  [{r['bits/ch']:.3g} b/ch]" for r in rows],
+                       fontsize=8)
+        ax1.invert_yaxis()
+        ax1.axvline(f32, color="gray", ls="--", lw=1)
+        for yi, r in zip(y, rows):
+            ax1.text(r["perplexity"] * 1.05, yi, f"{r['perplexity']:.4g}", va="center",
+                     fontsize=7)
+        ax1.set_xscale("log")
+        ax1.set_xlim(10, max(r["perplexity"] for r in rows) * 4)
+        ax1.set_xlabel("held-out perplexity (log; dashed: f32)", fontsize=9)
+        ax1.set_ylabel("codec  [bits per channel, all overhead]", fontsize=9)
+        ax1.tick_params(axis="x", labelsize=8)
+        ax1.legend(handles=[Patch(color=c, label=role)
+                            for role, c in ROLE_COLORS.items()],
+                   fontsize=7, loc="lower right")
         ctx = [t["context"] for t in timing]
         for name, label, style in TIMED:
             ax2.plot(ctx, [t[f"{name}_ms"] for t in timing], style, label=label)
         ax2.set_xscale("log", base=2)
-        ax2.set_xlabel("context (tokens)")
-        ax2.set_ylabel("decode attention, ms (median)")
-        ax2.legend(fontsize=7)
-        ax2.set_title(f"CPU XLA ({jax.default_backend()})", fontsize=8)
+        ax2.set_xticks(ctx, [f"{c // 1024}k" for c in ctx], fontsize=8)
+        ax2.minorticks_off()
+        ax2.tick_params(axis="y", labelsize=8)
+        ax2.set_xlabel("context (tokens)", fontsize=9)
+        ax2.set_ylabel("decode attention, ms (median)", fontsize=9)
+        ax2.legend(fontsize=8)
+        ax2.set_title(f"CPU XLA ({jax.default_backend()}), batch 1", fontsize=9)
     return draw
 
 
 def _claims(rows, timing, config) -> list[dict]:
     by = {r["codec"]: r for r in rows}
-    t, bf = by[TASQ], by[BF16]
+    t, bf = by[default_row()], by[BF16]
     ratio = t["max batch"] / bf["max batch"]
     claims = [common.claim(f"max batch vs bf16 at 1 bit ({config.memory.context} ctx, "
                            f"{config.memory.budget_gib:g} GiB)", ">= 14x", f"{ratio:.2f}x",
                            ratio >= 14)]
-    for mine in (TASQ, TASQ_PRE):
+    for mine in (default_row(), *(r for r in KEY_SPACE_ROWS.values() if r != default_row())):
         t = by[mine]
+        tag = " (the default)" if mine == default_row() else " (not the default)"
         for other in ("plain VQ", "CQ-style (pre-RoPE)", "sign-bit (QJL-like keys)"):
             o = by[other]
             claims.append(common.claim(
-                f"{mine} ppl gap < {other}",
+                f"{mine}{tag} ppl gap < {other}",
                 f"< {o['ppl gap %']:.1f}% (at {o['bits/ch']:.2f} b/ch)",
                 f"{t['ppl gap %']:.1f}% (at {t['bits/ch']:.2f} b/ch)",
                 t["ppl gap %"] < o["ppl gap %"]))
-    ablations = {TASQ: ("TaSQ - query weighting", "TaSQ - channel grouping",
-                        "TaSQ - head normalization", "TaSQ shared codebooks"),
+    ablations = {TASQ_POST: ("TaSQ post-RoPE - query weighting",
+                             "TaSQ post-RoPE - channel grouping",
+                             "TaSQ post-RoPE - head normalization",
+                             "TaSQ post-RoPE shared codebooks"),
                  TASQ_PRE: ("TaSQ pre-RoPE - query weighting",
                             "TaSQ pre-RoPE - channel grouping")}
     for mine, names in ablations.items():
         t = by[mine]
-        for name in names:
+        for name in (n for n in names if n in by):  # (ablation rows only where run)
             a = by[name]
             claims.append(common.claim(f"ablation: {name}", "gap rises without it",
                                        f"{a['ppl gap %']:.1f}% vs {t['ppl gap %']:.1f}%; "
                                        f"attn err {a['attn err']:.3f} vs "
                                        f"{t['attn err']:.3f}", None))
     last = timing[-1]
-    for name, label, _ in TIMED[1:]:
+    for name, label, _ in sorted(TIMED[1:], key=lambda x: x[0] != DEFAULT_TIMED()):
         x = last[f"{name}_speedup"]
-        claims.append(common.claim(f"{label} decode attention vs bf16 at {last['context']} "
-                                   "ctx (CPU)", ">= 2x faster", f"{x:.2f}x", x >= 2))
+        tag = " (the default)" if name == DEFAULT_TIMED() else ""
+        claims.append(common.claim(f"{label}{tag} decode attention vs bf16 at "
+                                   f"{last['context']} ctx (CPU)", ">= 2x faster",
+                                   f"{x:.2f}x", x >= 2))
     return claims
+
+
+def DEFAULT_TIMED() -> str:  # noqa: N802 - a constant of the current default
+    return "1bit" if TaSQConfig().key_space == "post_rope" else "1bit_pre"
+
+
+def _dev_claims(rows) -> list[dict]:
+    by = {r["codec"]: r for r in rows}
+    post, pre = by[TASQ_POST]["ppl gap %"], by[TASQ_PRE]["ppl gap %"]
+    winner = "pre_rope" if pre < post else "post_rope"
+    return [common.claim("dev: the key space with the smaller perplexity gap becomes "
+                         "TaSQConfig's default", f"default == {winner!r}",
+                         f"post-RoPE {post:+.1f}%, pre-RoPE {pre:+.1f}%; default "
+                         f"{TaSQConfig().key_space!r}", TaSQConfig().key_space == winner)]
 
 
 def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
     cal_ids = tok.encode(data.corpus_text("calibration"))
-    held_ids = tok.encode(data.corpus_text("heldout"))
+    # dev: the key-space choice; test: every row, scored once with the final defaults
+    held_ids = tok.encode(data.corpus_text(config.split))
     cal = CalibrationData.from_ids(cal_ids, config.calibration.seq_len,
                                    config.calibration.n_seqs)
     a = config.attn_error
@@ -250,18 +314,23 @@ def run(config, out_dir=None) -> common.Report:
         r = measure_variant(model, transform, cal, held_ids, attn_tokens, config)
         per_layer[name] = r.pop("_per_layer_err")
         m = r.pop("_model")
-        if name in (TASQ, TASQ_PRE):
-            timed_caches["1bit" if name == TASQ else "1bit_pre"] = m.caches[0].codec
-        rows.append({"codec": name, "role": role, **r})
+        if name in (TASQ_POST, TASQ_PRE):
+            timed_caches["1bit" if name == TASQ_POST else "1bit_pre"] = m.caches[0].codec
+        rows.append({"codec": name, "role": role,
+                     "default": "yes" if name == default_row() else "", **r})
     f32 = rows[0]["perplexity"]
-    bf = next(r for r in rows if r["codec"] == BF16)
+    bf = next((r for r in rows if r["codec"] == BF16), None)  # (not in the dev run)
     for r in rows:
         r["ppl gap %"] = 100 * (r["perplexity"] / f32 - 1)
-        r["x batch vs bf16"] = r["max batch"] / bf["max batch"]
+        r["x batch vs bf16"] = r["max batch"] / bf["max batch"] if bf else float("nan")
     tm = config.timing
-    timing = [time_decode(timed_caches, model.config, ctx, tm.batch, tm.warmup, tm.repeats,
-                          config.seed) for ctx in tqdm(tm.contexts, desc="timing")]
-    columns = ["codec", "role", "bits/ch", "KV B/token", "codebook KiB", "max batch",
+    timing = []
+    if config.split != "dev":
+        with common.bench_lock():  # only the timed section holds the machine's bench lock
+            timing = [time_decode(timed_caches, model.config, ctx, tm.batch, tm.warmup,
+                                  tm.repeats, config.seed)
+                      for ctx in tqdm(tm.contexts, desc="timing")]
+    columns = ["codec", "role", "default", "bits/ch", "KV B/token", "codebook KiB", "max batch",
                "x batch vs bf16", "perplexity", "ppl gap %", "attn err", "calib s"]
     timing_lines = [
         f"ctx {t['context']} (bytes {t['bf16_bytes']} vs {t['1bit_bytes']}): " + ", ".join(
@@ -269,7 +338,7 @@ def run(config, out_dir=None) -> common.Report:
             f"step {t[name + '_step_ms']:.2f} ms, {t[name + '_step_speedup']:.2f}x)"
             for name, label, _ in TIMED) for t in timing]
     notes = [
-        f"held-out text {len(held_ids)} tokens (perplexity: {config.ppl.max_windows} windows "
+        f"{config.split} half of the held-out text (research/data.py), {len(held_ids)} tokens (perplexity: {config.ppl.max_windows} windows "
         f"of {config.ppl.window}, stride {config.ppl.stride}); calibration "
         f"{config.calibration.n_seqs}x{config.calibration.seq_len} tokens of the calibration "
         "split only",
@@ -296,6 +365,7 @@ def run(config, out_dir=None) -> common.Report:
     ]
     return common.Report(columns=columns, rows=rows,
                          title="TaSQ: 1-bit VQ KV cache vs alternatives, SmolLM2-135M-Instruct",
-                         claims=_claims(rows, timing, config),
+                         claims=(_dev_claims(rows) if config.split == "dev"
+                                 else _claims(rows, timing, config)),
                          extra={"timing": timing, "attn_err_per_layer": per_layer},
                          plot=_plot(rows, timing), notes=notes)

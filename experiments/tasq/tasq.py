@@ -18,12 +18,15 @@ import ml_collections
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    small = arg == "small"
+    if arg not in ("small", "full", "dev"):
+        raise ValueError(f"config arg must be 'small', 'full' or 'dev', got {arg!r}")
+    small = arg != "full"
     c = ml_collections.ConfigDict()
     c.experiment = "experiments.tasq.experiment"
     c.run_name = f"tasq_{arg}"
+    # dev: post- vs pre-RoPE keys on the dev half of the held-out text (the default key
+    # space is the winner); small / full: every codec on the test half, scored once
+    c.split = "dev" if arg == "dev" else "test"
     c.seed = 0
     c.gguf_path = ""
     c.calibration = ml_collections.ConfigDict(dict(
@@ -36,5 +39,11 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.memory = ml_collections.ConfigDict(dict(budget_gib=16.0, context=4096))
     c.timing = ml_collections.ConfigDict(dict(
         contexts=(4096, 16384, 32768), batch=1, warmup=2, repeats=7 if small else 21))
+    # small: the rows of the 1-bit comparison (f32, bf16, the three 1-bit baselines, TaSQ in
+    # both key spaces), sized for a shared 2-core machine; full: every row (int8, KIVI-2,
+    # TaSQ 2-bit and the ablations too)
+    c.rows = (("f32", "bf16", "sign-bit (QJL-like keys)", "plain VQ", "CQ-style (pre-RoPE)",
+               "TaSQ (1 bit, post-RoPE keys)", "TaSQ (1 bit, pre-RoPE keys)")
+              if arg == "small" else ())
     c.kivi = ml_collections.ConfigDict(dict(key_group=32, value_group=32, residual=128))
     return c

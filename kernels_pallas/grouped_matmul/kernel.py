@@ -97,7 +97,9 @@ def _out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
 
 
-def _compiler_params(backend: str, semantics: tuple[str, ...]):
+def compiler_params(backend: str, semantics: tuple[str, ...]):
+    """The compiler parameters of every kernel launch in this module (looked up at call
+    time, so scripts/gpu_check.py can swap in other Triton pipeline depths to diagnose)."""
     if backend == "triton":
         return pltriton.CompilerParams(num_warps=4, num_stages=2)
     return pltpu.CompilerParams(dimension_semantics=semantics)
@@ -157,7 +159,7 @@ def _gmm_mosaic(lhs, rhs, visits, *, n_groups, bm, bk, bn, transpose_rhs, interp
             in_specs=[pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)],
             out_specs=pl.BlockSpec((bm, bn), out_map),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)]),
-        compiler_params=_compiler_params("mosaic_tpu", ("parallel", "arbitrary",
+        compiler_params=compiler_params("mosaic_tpu", ("parallel", "arbitrary",
                                                         "arbitrary")),
         interpret=interpret, name="gmm_mosaic",
     )(visits.segment, visits.tile, visits.valid, visits.starts, visits.ends, lhs, rhs)
@@ -199,7 +201,7 @@ def _gmm_triton(lhs, rhs, visits, *, n_groups, bm, bk, bn, transpose_rhs, interp
     return pl.pallas_call(
         kernel, out_shape=_out_struct((m, n), lhs.dtype, lhs, rhs, visits.segment),
         grid=(visits.segment.shape[0], n // bn),
-        compiler_params=_compiler_params("triton", ()), interpret=interpret,
+        compiler_params=compiler_params("triton", ()), interpret=interpret,
         name="gmm_triton",
     )(visits.segment, visits.tile, visits.valid, visits.starts, visits.ends, lhs, rhs)
 
@@ -269,7 +271,7 @@ def _tgmm_mosaic(lhs, dout, visits, *, n_groups, bm, bk, bn, interpret):
             in_specs=[pl.BlockSpec((bm, bk), lhs_map), pl.BlockSpec((bm, bn), dout_map)],
             out_specs=pl.BlockSpec((None, bk, bn), out_map),
             scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)]),
-        compiler_params=_compiler_params("mosaic_tpu", ("parallel", "parallel",
+        compiler_params=compiler_params("mosaic_tpu", ("parallel", "parallel",
                                                         "arbitrary")),
         interpret=interpret, name="tgmm_mosaic",
     )(visits.segment, visits.tile, visits.valid, visits.first, visits.last, visits.starts,
@@ -303,7 +305,7 @@ def _tgmm_triton(lhs, dout, visits, *, n_groups, bm, bk, bn, interpret):
         functools.partial(_tgmm_triton_kernel, bm=bm, bk=bk, bn=bn),
         out_shape=_out_struct((n_groups, kdim, n), lhs.dtype, lhs, dout, visits.starts),
         grid=(n_groups, kdim // bk, n // bn),
-        compiler_params=_compiler_params("triton", ()), interpret=interpret,
+        compiler_params=compiler_params("triton", ()), interpret=interpret,
         name="tgmm_triton",
     )(visits.starts, visits.ends, lhs, dout)
 

@@ -150,6 +150,24 @@ class BlockManager:
     def new_sequence(self) -> int:
         return self._add(_Sequence([], 0))
 
+    def adopt(self, blocks: Sequence[int], length: int) -> int:
+        """A new sequence of `length` tokens whose KV already lies in `blocks` (a prefix
+        cache hit): each block gains a reference, nothing is copied. Writing past
+        `length` into a shared partial last block copies it first, as after `fork`."""
+        blocks = [int(b) for b in blocks]
+        if len(blocks) > self.max_blocks_per_seq:
+            raise ValueError(f"{len(blocks)} blocks exceed max_blocks_per_seq="
+                             f"{self.max_blocks_per_seq}")
+        if self._blocks_for(length) != len(blocks):
+            raise ValueError(f"length {length} needs {self._blocks_for(length)} blocks of "
+                             f"{self.block_size}, got {len(blocks)}")
+        for b in blocks:
+            if self.allocator.refcount(b) <= 0:
+                raise ValueError(f"adopt of free block {b}: only allocated blocks hold KV")
+        for b in blocks:
+            self.allocator.incref(b)
+        return self._add(_Sequence(blocks, length))
+
     def fork(self, seq: int) -> int:
         """A new sequence sharing all of `seq`'s blocks (copy-on-write)."""
         parent = self._get(seq)
@@ -232,6 +250,11 @@ class BlockManager:
                 s.blocks.append(self.allocator.allocate())
             s.length += n
         return copies
+
+    def fresh_blocks_needed(self, requests: dict[int, int] | Iterable[tuple[int, int]]
+                            ) -> int:
+        """Free blocks `reserve(requests)` would take (copy-on-write included)."""
+        return self._fresh_blocks_needed(dict(requests))
 
     # -- internals --------------------------------------------------------------------
     def _fresh_blocks_needed(self, requests: dict[int, int]) -> int:

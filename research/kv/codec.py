@@ -12,6 +12,13 @@ axis; it never looks inside them.
 
 Codecs that score keys without rebuilding them (VQ lookup tables, sign sketches) override
 `attend`; the default rebuilds dense K/V with `decode` and runs the reference attention.
+
+Codecs whose records depend on a group of tokens (KIVI: per-channel key scales over
+`align` consecutive positions) override `write` instead of `encode`: it may re-emit the
+records of earlier positions of the chunk's first group (`Written.positions`), and keep a
+small per-sequence state (`init_seq_state`: KIVI's full-precision residual ring) that the
+layout stores per row under "seq". Layouts keep slot groups aligned: dense buffers and
+window rings are multiples of `align`, paged blocks too (block_size % align == 0).
 """
 from __future__ import annotations
 
@@ -27,6 +34,9 @@ from research.core.attention import attend, attention_mask
 
 Records = dict  # {name: Array [..., *record]} with the token axes leading
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+SEQ = "seq"  # the key of a codec's per-sequence state in a layout's state dict
 
 
 class KVView(NamedTuple):
@@ -45,13 +55,33 @@ class KVView(NamedTuple):
     window: int | None
     positional: bool
     lengths: Int[Array, "B"] | None = None
+    extra: Records | None = None  # what `write` left for `attend` (Written.extra)
 
     def mask(self) -> Bool[Array, "B T S"]:
         return attention_mask(self.q_pos, self.kv_pos, self.kv_valid, self.window)
 
 
+class Written(NamedTuple):
+    """What a codec's `write` hands the layout.
+
+    records: [B, T', *record] to store at `positions` [B, T'] where `valid` [B, T'].
+    seq_state: the per-sequence state to keep (None for codecs without one).
+    extra: anything `attend` needs besides the stored records (put in `KVView.extra`).
+    bad_rows: [B] rows whose write could not be done exactly (NaN out), or None.
+    """
+
+    records: Records
+    positions: Int[Array, "B T2"]
+    valid: Bool[Array, "B T2"]
+    seq_state: Records | None = None
+    extra: Records | None = None
+    bad_rows: Array | None = None
+
+
 class KVCodec(abc.ABC):
     """Abstract codec. Subclasses are `flax.struct.dataclass`es (arrays = leaves)."""
+
+    align = 1  # slot-group size the layouts keep aligned (positions p // align share one)
 
     @abc.abstractmethod
     def record_spec(self, n_kv_heads: int, head_dim: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -61,6 +91,16 @@ class KVCodec(abc.ABC):
     def encode(self, k: Float[Array, "B T Hkv D"], v: Float[Array, "B T Hkv D"],
                positions: Int[Array, "B T"]) -> Records:
         """Records [B, T, *record] of a chunk of post-RoPE keys and values."""
+
+    def init_seq_state(self, batch: int, n_kv_heads: int, head_dim: int) -> Records | None:
+        """Per-sequence state of `batch` rows (None: the codec keeps none)."""
+        return None
+
+    def write(self, k: Float[Array, "B T Hkv D"], v: Float[Array, "B T Hkv D"],
+              positions: Int[Array, "B T"], valid: Bool[Array, "B T"],
+              seq_state: Records | None) -> Written:
+        """Records of a chunk for the layout to store (default: `encode`, token by token)."""
+        return Written(self.encode(k, v, positions), positions, valid, seq_state)
 
     def decode(self, records: Records, positions: Int[Array, "B S"]
                ) -> tuple[Float[Array, "B S Hkv D"], Float[Array, "B S Hkv D"]]:

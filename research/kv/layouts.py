@@ -3,7 +3,7 @@
 A codec transform (int8, TaSQ, CQ, sign-bit, bf16 storage) changes *how* K/V are encoded
 and nothing else, so a model whose layers are dense, window rings or pages keeps them.
 Replacing is only allowed over the raw float32 default: a codec another transform
-installed, or a cache that is not a codec in a layout (an eviction press, KIVI), is never
+installed, or a cache that is not a codec in a layout (an eviction press), is never
 silently discarded; the transform refuses and names both.
 """
 from __future__ import annotations

@@ -21,6 +21,11 @@ tokens, which is what the decode kernels stream.
 
 Writes through an unmapped (-1) entry are dropped; the host manager guarantees that every
 position a forward pass writes is mapped (`BlockManager.reserve` before the call).
+
+A codec with per-sequence state (KIVI's full-precision residual ring) keeps it per row
+under "seq", beside the pages: its codes live in pages like any codec's, but the rows must
+then stay bound to their sequences (a fork copies the row: `copy_seq_rows`). The
+PagedEngine, which re-binds rows every pass, refuses such codecs by name.
 """
 from __future__ import annotations
 
@@ -36,8 +41,8 @@ from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.paged_attention.api import BACKENDS, paged_decode_attention
 from research.transforms import Transform, stateless
 from research.kv.base import KVCache, check_codec, poison_rows
-from research.kv.codec import FloatCodec, KVCodec, KVView
-from research.kv.dense import DenseKVCache
+from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView
+from research.kv.dense import DenseKVCache, either_bad
 from research.kv.window import WindowKVCache
 
 TABLE = "block_table"
@@ -76,6 +81,9 @@ class PagedKVCache(KVCache):
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
                              f"got {self.implementation!r}")
+        if self.block_size % self.codec.align:
+            raise ValueError(f"block_size ({self.block_size}) must be a multiple of the "
+                             f"codec's align ({self.codec.align}, {self.codec.describe()})")
 
     def blocks_per_seq(self, max_len: int) -> int:
         return -(-max_len // self.block_size)
@@ -83,8 +91,10 @@ class PagedKVCache(KVCache):
     def init(self, batch, max_len, n_kv_heads, head_dim):
         m = self.blocks_per_seq(max_len)
         n_blocks = self.n_blocks or batch * m
-        return {**self.codec.empty((n_blocks, self.block_size), n_kv_heads, head_dim),
-                TABLE: default_block_table(batch, m, n_blocks)}
+        state = {**self.codec.empty((n_blocks, self.block_size), n_kv_heads, head_dim),
+                 TABLE: default_block_table(batch, m, n_blocks)}
+        seq = self.codec.init_seq_state(batch, n_kv_heads, head_dim)
+        return state if seq is None else {**state, SEQ: seq}
 
     def update_and_attend(self, state, q, k, v, *, start, n_new, window):
         b, t = q.shape[:2]
@@ -93,8 +103,9 @@ class PagedKVCache(KVCache):
             raise ValueError(f"block_table has {table.shape[0]} rows but the chunk has "
                              f"batch {b}; install tables with with_block_tables")
         q_pos = start[:, None] + jnp.arange(t)[None, :]
-        pools = write_records(pools_of(state), table, self.codec.encode(k, v, q_pos),
-                              q_pos, jnp.arange(t)[None, :] < n_new[:, None])
+        w = self.codec.write(k, v, q_pos, jnp.arange(t)[None, :] < n_new[:, None],
+                             state.get(SEQ))
+        pools = write_records(pools_of(state), table, w.records, w.positions, w.valid)
         lengths = start + n_new
         if self.implementation != "xla" and t == 1 and isinstance(self.codec, FloatCodec):
             out = paged_decode_attention(
@@ -102,9 +113,13 @@ class PagedKVCache(KVCache):
                 implementation=self.implementation, backend=self.backend,
                 interpret=self.interpret)[:, None]
         else:
-            out = self.codec.attend(q, gather_view(pools, table, q_pos, lengths, window))
-        out = poison_rows(out, self.codec.check_finite(k, v))
-        return out.astype(q.dtype), {**pools, TABLE: table}
+            view = gather_view(pools, table, q_pos, lengths, window)._replace(extra=w.extra)
+            out = self.codec.attend(q, view)
+        out = poison_rows(out, either_bad(self.codec.check_finite(k, v), w.bad_rows))
+        new = {**pools, TABLE: table}
+        if w.seq_state is not None:
+            new[SEQ] = w.seq_state
+        return out.astype(q.dtype), new
 
     def capacity(self, max_len):
         return self.blocks_per_seq(max_len) * self.block_size
@@ -115,8 +130,13 @@ class PagedKVCache(KVCache):
 
 
 def pools_of(state: dict) -> dict:
-    """The record pools of a paged layer state (everything but the block table)."""
-    return {name: x for name, x in state.items() if name != TABLE}
+    """The record pools of a paged layer state (no block table, no per-row state)."""
+    return {name: x for name, x in state.items() if name not in (TABLE, SEQ)}
+
+
+def has_seq_state(state: dict) -> bool:
+    """Whether a layer state holds a codec's per-sequence (per-row) state."""
+    return SEQ in state
 
 
 def default_block_table(batch: int, blocks_per_seq: int, n_blocks: int) -> Array:
@@ -172,8 +192,16 @@ def copy_blocks(states: tuple, src: Int[Array, "C"], dst: Int[Array, "C"]) -> tu
     pools = copy_pool_blocks(pools, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
     out = list(states)
     for i, p in zip(paged_layers, pools):
-        out[i] = {**p, TABLE: states[i][TABLE]}
+        out[i] = {**states[i], **p}
     return tuple(out)
+
+
+def copy_seq_rows(states: tuple, src: int, dst: int) -> tuple:
+    """Row dst of every layer's per-sequence codec state := row src (a fork's share of
+    what does not live in pages; the pages themselves are shared copy-on-write)."""
+    def copy(x):
+        return x.at[dst].set(x[src])
+    return tuple({**s, SEQ: jax.tree.map(copy, s[SEQ])} if SEQ in s else s for s in states)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -191,7 +219,7 @@ def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str 
 
     Dense and window layers keep their codec (a window layer's pages hold the whole
     context; attention still masks to the window). A cache that is not a codec over a
-    layout (an eviction press, KIVI's residual ring) cannot be paged: refused, naming it.
+    layout (an eviction press) cannot be paged: refused, naming it.
     """
     def apply(model, state):
         del state

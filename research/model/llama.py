@@ -271,7 +271,9 @@ def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | No
         out = unembed(model, x)
     elif logits == "last":
         last = jnp.maximum(n_new - 1, 0)
-        out = unembed(model, x[jnp.arange(b), last])
+        # take_along_axis (a batched gather), not x[arange(b), last]: under a batch-sharded
+        # mesh GSPMD keeps it local instead of all-gathering the hidden states
+        out = unembed(model, jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
     else:
         out = None
     first_bad = None

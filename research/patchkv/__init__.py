@@ -15,9 +15,12 @@ Per-context transforms (research/transforms.py): `patchkv`, and the cache-side b
 from research.patchkv.baselines import (METHODS as REFIT_METHODS, RefitKVCache, am, grkv,
                                         refit_values, value_refit)
 from research.patchkv.patch import (DEV_QUERY_SCALES, DEV_STRENGTHS, TARGETS, LayerFit,
-                                    PatchState, apply_patch, fit_patches, patch_nbytes,
-                                    patched_params, patchkv, select_query_scale,
-                                    select_strength, summarize)
+                                    LowRank, PatchState, apply_patch, cast_patch,
+                                    cast_state, dense, fit_patches, patch_nbytes,
+                                    patched_params, patchkv, scale_patch, select_query_scale,
+                                    select_strength, stored_nbytes, summarize)
+from research.patchkv.budget import (break_even_tokens, cache_nbytes, cast_states,
+                                     per_token_bytes)
 from research.patchkv.probes import (ProbeConfig, ProbedContext, ProbeSet, as_probed,
                                      probe_context, reference_model)
 from research.patchkv.ridge import RidgeConfig, RidgeFit, fit_ridge
@@ -25,13 +28,16 @@ from research.patchkv.session import (ContextCache, ContinuationScore, answer_qu
                                       attention_error, decode_flops, pad_rows, param_shapes,
                                       prefill_batch, prefill_context, query_forward,
                                       score_continuations, tile_states)
-from research.patchkv.tasks import (ContinuationTask, RetrievalTask, continuation_tasks,
-                                    exact_match, reply_prefix, retrieval_task)
+from research.patchkv.tasks import (SPLITS, ContinuationTask, RetrievalTask,
+                                    check_windows_in_split, continuation_tasks, exact_match,
+                                    reply_prefix, retrieval_task, split_range)
 
 __all__ = [
     "patchkv", "fit_patches", "apply_patch", "patched_params", "patch_nbytes", "summarize",
     "select_strength", "select_query_scale", "PatchState", "LayerFit", "TARGETS",
-    "DEV_STRENGTHS", "DEV_QUERY_SCALES",
+    "DEV_STRENGTHS", "DEV_QUERY_SCALES", "LowRank", "dense", "scale_patch", "cast_patch",
+    "cast_state", "stored_nbytes",
+    "cache_nbytes", "cast_states", "per_token_bytes", "break_even_tokens",
     "ProbeConfig", "ProbedContext", "ProbeSet", "probe_context", "as_probed",
     "reference_model",
     "RidgeConfig", "RidgeFit", "fit_ridge",
@@ -40,5 +46,6 @@ __all__ = [
     "pad_rows", "query_forward", "score_continuations", "answer_queries", "attention_error",
     "decode_flops", "param_shapes",
     "ContinuationTask", "RetrievalTask", "continuation_tasks", "retrieval_task",
+    "SPLITS", "split_range", "check_windows_in_split",
     "reply_prefix", "exact_match",
 ]

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int
 
 from research.model import layers, llama
 from research.model.llama import Model
+from research.patchkv.session import tile_states
 
 
 def layer_view(model: Model, layer: int, layer_params: dict | None = None) -> Model:
@@ -39,6 +40,29 @@ def run_layer(view: Model, x: Float[Array, "B T D"], start: Int[Array, "B"],
     valid = jnp.arange(t)[None, :] < n_new[:, None]
     out = llama.decoder_block(view, 0, x, positions, valid, state, start, n_new, capture=True)
     return out.x, out.captured
+
+
+ROW_CHUNK = 16  # probe rows per call: the per-row cache copies of a long context stay small
+
+
+def run_layer_rows(view: Model, x, start, n_new, state, context_of,
+                   chunk: int = ROW_CHUNK) -> tuple[Array, dict]:
+    """`run_layer` over rows x [P, T, D] whose caches are batch rows `context_of` [P] of
+    one layer's `state`, `chunk` rows at a time (each chunk gathers only its rows' caches:
+    with a long context, all P copies at once take P times the cache). Same outputs as
+    one call on the gathered states."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    context_of = jnp.asarray(context_of, jnp.int32)
+    outs, caps = [], []
+    for i in range(0, x.shape[0], chunk):
+        rows = slice(i, i + chunk)
+        s = tile_states((state,), context_of[rows])[0]
+        out, cap = run_layer(view, x[rows], start[rows], n_new[rows], s)
+        outs.append(out)
+        caps.append(cap)
+    return (jnp.concatenate(outs), {k: jnp.concatenate([c[k] for c in caps])
+                                    for k in caps[0]})
 
 
 def embed(model: Model, tokens) -> Array:

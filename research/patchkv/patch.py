@@ -70,6 +70,80 @@ DEV_STRENGTHS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # experiments/patchkv/RE
 DEV_QUERY_SCALES = (0.9, 1.1, 1.2, 1.3, 1.4)  # quantised caches (same README)
 
 
+class LowRank(NamedTuple):
+    """A patch stored as its two factors, delta = left @ right: r (d_in + d_out) numbers
+    instead of d_in d_out. Folded into the weight when applied (`dense`), so the patched
+    model's shapes and FLOPs are the unpatched one's; only the per-context storage shrinks.
+    """
+
+    left: jax.Array  # [d_in, r]
+    right: jax.Array  # [r, d_out]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.left.shape[0]), int(self.right.shape[1]))
+
+    @property
+    def rank(self) -> int:
+        return int(self.left.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two stored arrays."""
+        return int(self.left.nbytes) + int(self.right.nbytes)
+
+    def dense(self) -> jax.Array:
+        """The [d_in, d_out] delta in f32."""
+        return self.left.astype(jnp.float32) @ self.right.astype(jnp.float32)
+
+    @classmethod
+    def from_dense(cls, delta, rank: int | None = None, dtype=jnp.float32) -> "LowRank":
+        """Factors of `delta` by SVD, truncated to `rank` (None: min(d_in, d_out), exact up
+        to float rounding); the singular values go into the left factor."""
+        delta = np.asarray(delta, np.float64)
+        if delta.ndim != 2:
+            raise ValueError(f"delta must be 2-D [d_in, d_out], got shape {delta.shape}")
+        full = min(delta.shape)
+        rank = full if rank is None else rank
+        if not (isinstance(rank, (int, np.integer)) and 1 <= rank <= full):
+            raise ValueError(f"rank must be an int in [1, {full}] for a {delta.shape} "
+                             f"delta, got {rank!r}")
+        u, sv, vt = np.linalg.svd(delta, full_matrices=False)
+        return cls(jnp.asarray(u[:, :rank] * sv[:rank], dtype), jnp.asarray(vt[:rank], dtype))
+
+
+def dense(delta) -> jax.Array:
+    """A stored patch (dense array or LowRank) as a dense f32 [d_in, d_out] array."""
+    return delta.dense() if isinstance(delta, LowRank) else jnp.asarray(delta, jnp.float32)
+
+
+def scale_patch(delta, s: float):
+    """s times a stored patch, in its storage (a LowRank scales its left factor)."""
+    if isinstance(delta, LowRank):
+        return LowRank((delta.left.astype(jnp.float32) * s).astype(delta.left.dtype),
+                       delta.right)
+    return (delta * s).astype(delta.dtype)
+
+
+def cast_patch(delta, dtype):
+    """A stored patch with its arrays in `dtype` (e.g. bfloat16 storage)."""
+    if isinstance(delta, LowRank):
+        return LowRank(delta.left.astype(dtype), delta.right.astype(dtype))
+    return jnp.asarray(delta).astype(dtype)
+
+
+def stored_nbytes(delta) -> int:
+    """Bytes of a stored patch's arrays (0 for an all-zero patch, which is not stored)."""
+    if not is_nonzero(delta):
+        return 0
+    return delta.nbytes if isinstance(delta, LowRank) else int(jnp.asarray(delta).nbytes)
+
+
+def is_nonzero(delta) -> bool:
+    leaves = (delta.left,) if isinstance(delta, LowRank) else (delta,)
+    return any(bool(jnp.any(a != 0)) for a in leaves)
+
+
 class LayerFit(NamedTuple):
     layer: int
     alpha: float  # chosen relative penalty (inf = left unpatched)
@@ -80,9 +154,10 @@ class LayerFit(NamedTuple):
 
 
 class PatchState(NamedTuple):
-    """Transform state: one [Hq*Dh, D] delta per layer (zeros where unpatched) + report."""
+    """Transform state: one [Hq*Dh, D] delta per layer (zeros where unpatched; a LowRank
+    pair of factors where the fit's rank was reduced) + report."""
 
-    deltas: tuple  # already multiplied by `strength`
+    deltas: tuple  # already multiplied by `strength`; dense arrays or LowRank
     fits: tuple  # LayerFit per layer (host-side diagnostics)
     fit_seconds: float  # compressed prefill (if needed) + layer-by-layer fitting
     probe_seconds: float  # reference prefill + probes + reference pass (shared)
@@ -91,7 +166,8 @@ class PatchState(NamedTuple):
     strength_kl: tuple = ()  # (strength, held-out KL(reference || patched)) per candidate
     query_scales: tuple = ()  # per layer [Hq] W_q head scales; () = W_q untouched
     query_scale_kl: tuple = ()  # (scale, held-out KL) per candidate query scale
-    ffn_deltas: tuple = ()  # per layer [F, D] W_down delta (times `strength`); () = none
+    ffn_deltas: tuple = ()  # per layer [F, D] W_down delta (times `strength`, dense or
+    # LowRank); () = none
     ffn_fits: tuple = ()  # LayerFit of the W_down patch per fitted layer
 
 
@@ -117,10 +193,10 @@ def patched_params(model: Model, deltas: Sequence, query_scales: Sequence = (),
 
 
 def _plus(w: jax.Array, delta, what: str, name: str) -> jax.Array:
-    """w + delta in f32, back in w's dtype."""
-    if delta.shape != w.shape:
-        raise ValueError(f"{what} shape {delta.shape} != {name} shape {w.shape}")
-    return (w.astype(jnp.float32) + delta).astype(w.dtype)
+    """w + delta (dense or LowRank) in f32, back in w's dtype."""
+    if tuple(delta.shape) != tuple(w.shape):
+        raise ValueError(f"{what} shape {tuple(delta.shape)} != {name} shape {w.shape}")
+    return (w.astype(jnp.float32) + dense(delta)).astype(w.dtype)
 
 
 def scaled_wq(wq: jax.Array, head_scales, head_dim: int) -> jax.Array:
@@ -139,17 +215,26 @@ def apply_patch(model: Model, state: PatchState) -> Model:
 
 
 def patch_nbytes(state: PatchState) -> int:
-    """Bytes of the non-zero layer patches (W_o and W_down, f32) as a server stores them
-    per context: the dense delta, or its two factors [d_in, r] and [r, d_out] for a
-    reduced-rank patch, plus the query head scales of layers that have any."""
+    """Bytes of the arrays a server stores per context for this patch: each non-zero layer
+    patch (W_o and W_down) as the state holds it (a dense delta, or a LowRank's two
+    factors [d_in, r] and [r, d_out], in their dtype), plus the query head scales of
+    layers that have any. All-zero (unpatched) layers are not stored."""
     total = sum(int(np.asarray(q).nbytes) for q in state.query_scales if np.any(q != 1))
-    for deltas, fits in ((state.deltas, state.fits), (state.ffn_deltas, state.ffn_fits)):
-        rank = {f.layer: f.rank for f in fits}
-        for layer, d in enumerate(deltas):
-            if bool(jnp.any(d != 0)):
-                r = rank.get(layer)
-                total += int(d.nbytes) if r is None else r * sum(d.shape) * d.dtype.itemsize
-    return total
+    return total + sum(stored_nbytes(d) for d in state.deltas + state.ffn_deltas)
+
+
+def cast_state(state: PatchState, dtype) -> PatchState:
+    """The patch stored in `dtype` (e.g. jnp.bfloat16: half the bytes); applied in f32."""
+    return state._replace(deltas=tuple(cast_patch(d, dtype) for d in state.deltas),
+                          ffn_deltas=tuple(cast_patch(d, dtype) for d in state.ffn_deltas))
+
+
+def _stored(fit: ridge.RidgeFit):
+    """A ridge fit's delta as stored: its factors (f32) when the rank was reduced, else
+    the dense f32 delta."""
+    if fit.factors is not None:
+        return LowRank(*(jnp.asarray(a, jnp.float32) for a in fit.factors))
+    return jnp.asarray(fit.delta, jnp.float32)
 
 
 def _valid_rows(a: jax.Array, lengths: np.ndarray) -> np.ndarray:
@@ -213,8 +298,8 @@ def fit_patches(model: Model, probed: ProbedContext, *, states: tuple | None = N
     if strengths:
         strength, kls = select_strength(model, probed, states, deltas, strengths,
                                         held_out_kl, ffn_deltas)
-        deltas = [d * strength for d in deltas]
-        ffn_deltas = [d * strength for d in ffn_deltas]
+        deltas = [scale_patch(d, strength) for d in deltas]
+        ffn_deltas = [scale_patch(d, strength) for d in ffn_deltas]
     jax.block_until_ready((deltas, ffn_deltas))
     return PatchState(tuple(deltas), tuple(fits), time.perf_counter() - t0, probed.seconds,
                       probes.n_tokens, strength, kls, tuple(scales), scale_kls,
@@ -236,9 +321,9 @@ class _LayerFitter:
         """(hidden after the layer with its patches in, W_o delta, its LayerFit or None,
         W_down delta or None, its LayerFit or None) for compressed-stream input x_in."""
         model, probed, probes = self.model, self.probed, self.probed.probes
-        s_cmp = tile_states(self.states[layer:layer + 1], probes.context)[0]
         view = layerwise.layer_view(model, layer)
-        x_out, cap = layerwise.run_layer(view, x_in, self.start, self.n_new, s_cmp)
+        x_out, cap = layerwise.run_layer_rows(view, x_in, self.start, self.n_new,
+                                              self.states[layer], probes.context)
         o_cmp, o_ref = cap["attn"], probed.reference.captures[layer]["attn"]
         wo = view.params["layers"][0]["wo"]
         delta = jnp.zeros(wo.shape, jnp.float32)
@@ -250,23 +335,25 @@ class _LayerFitter:
         rows = functools.partial(_valid_rows, lengths=probes.lengths)
         y = (rows(o_ref) - rows(o_cmp)) @ np.asarray(wo, np.float64)
         fit_delta, fit = self._fit(layer, rows(o_cmp), y, drift)
-        if np.any(fit_delta):
-            delta = jnp.asarray(fit_delta, jnp.float32)
+        if np.any(fit_delta.delta):
+            delta = _stored(fit_delta)
         if not ffn:  # the next layer sees this layer's W_o patched
-            if np.any(fit_delta):
-                x_out = layerwise.finish_layer(view, x_in, o_cmp, wo + delta)
+            if np.any(fit_delta.delta):
+                x_out = layerwise.finish_layer(view, x_in, o_cmp, wo + dense(delta))
             return x_out, delta, fit, None, None
-        x_mid = x_in + o_cmp @ (wo + delta)
+        x_mid = x_in + o_cmp @ (wo + dense(delta))
         hidden = layerwise.ffn_hidden(view, x_mid)
         w_down = view.params["layers"][0]["w_down"]
         residual = probed.reference.hidden[layer + 1] - (x_mid + hidden @ w_down)
         ffn_fit_delta, ffn_fit = self._fit(layer, rows(hidden), rows(residual), None)
-        if np.any(ffn_fit_delta):
-            ffn_delta = jnp.asarray(ffn_fit_delta, jnp.float32)
-        return x_mid + hidden @ (w_down + ffn_delta), delta, fit, ffn_delta, ffn_fit
+        if np.any(ffn_fit_delta.delta):
+            ffn_delta = _stored(ffn_fit_delta)
+        return (x_mid + hidden @ (w_down + dense(ffn_delta)), delta, fit, ffn_delta,
+                ffn_fit)
 
     def _fit(self, layer, x, y, drift):
-        """Ridge delta [d_in, d_out] with x delta ~ y (+ drift) on the valid probe rows."""
+        """Ridge fit with x delta ~ y (+ drift) on the valid probe rows: (the ridge's
+        RidgeFit, LayerFit); the RidgeFit carries the factors of a reduced-rank delta."""
         with ridge.single_blas_thread():
             return _fit_rows(layer, x, y, drift, self.probed.probes.lengths, self.holdout,
                              self.ridge_config)
@@ -301,8 +388,8 @@ def select_strength(model: Model, probed: ProbedContext, states: tuple, deltas: 
     held-out probe rows; returns (s, ((s, kl), ...)). held_out_kl: a `_held_out_kl` of the
     same context to reuse."""
     held_out_kl = held_out_kl or _held_out_kl(model, probed, states)
-    kls = tuple((s, held_out_kl(patched_params(model, [d * s for d in deltas], (),
-                                               [d * s for d in ffn_deltas])))
+    kls = tuple((s, held_out_kl(patched_params(model, [scale_patch(d, s) for d in deltas],
+                                               (), [scale_patch(d, s) for d in ffn_deltas])))
                 for s in sorted({0.0, *map(float, strengths)}))
     return min(kls, key=lambda t: t[1])[0], kls
 
@@ -319,13 +406,18 @@ def _held_out_kl(model: Model, probed: ProbedContext, states: tuple):
     start = jnp.asarray(probed.lengths[probes.context[rows]], jnp.int32)
     # the reference pass already ran these rows through the full cache: unembed its output
     ref_logp = jax.nn.log_softmax(unembed(model, probed.reference.hidden[-1][rows]), axis=-1)
-    cmp_states = tile_states(states, probes.context[rows])
     valid = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
+    chunks = [slice(i, i + layerwise.ROW_CHUNK) for i in range(0, len(rows),
+                                                              layerwise.ROW_CHUNK)]
 
     def kl(params) -> float:
-        logp = _log_probs(model.replace(params=params), tokens, start, n_new, cmp_states)
-        per_token = jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)
-        return float(jnp.sum(jnp.where(valid, per_token, 0.0)) / jnp.sum(valid))
+        m, total = model.replace(params=params), 0.0
+        for c in chunks:  # a chunk of rows at a time: each gathers its rows' caches
+            logp = _log_probs(m, tokens[c], start[c], n_new[c],
+                              tile_states(states, probes.context[rows][c]))
+            per_token = jnp.sum(jnp.exp(ref_logp[c]) * (ref_logp[c] - logp), axis=-1)
+            total += float(jnp.sum(jnp.where(valid[c], per_token, 0.0)))
+        return total / float(jnp.sum(valid))
 
     return kl
 
@@ -352,7 +444,7 @@ def _fit_rows(layer, x, y, drift, lengths, holdout, config):
         raise FloatingPointError(f"layer {layer}: probe activations are not finite")
     use_holdout = holdout if config.selection == "holdout" else None
     fit = ridge.fit_ridge(x, y, use_holdout, config)
-    return fit.delta, LayerFit(layer, fit.alpha, fit.lam, fit.train_rel_err, fit.val_rel_err,
+    return fit, LayerFit(layer, fit.alpha, fit.lam, fit.train_rel_err, fit.val_rel_err,
                                fit.rank)
 
 
@@ -438,6 +530,8 @@ def summarize(state: PatchState) -> dict:
             "val_err_after": mean([f.val_rel_err[1] for f in fits]),
             "mean_rank": mean([f.rank if f.rank is not None else min(state.deltas[f.layer].shape)
                                for f in fits if np.isfinite(f.alpha)]),
+            "max_rank": max([f.rank if f.rank is not None else min(state.deltas[f.layer].shape)
+                             for f in fits + ffn_fits if np.isfinite(f.alpha)], default=0),
             "strength": state.strength,
             "query_scale": (float(np.mean(state.query_scales)) if state.query_scales
                             else 1.0),

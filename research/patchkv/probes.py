@@ -216,9 +216,8 @@ def reference_pass(reference: Model, ref_states: tuple, probes: ProbeSet,
     x = layerwise.embed(reference, probes.tokens)
     hidden, captures = [x], []
     for layer in range(reference.config.n_layers):
-        state = tile_states(ref_states[layer:layer + 1], probes.context)[0]
-        x, cap = layerwise.run_layer(layerwise.layer_view(reference, layer), x, start, n_new,
-                                     state)
+        x, cap = layerwise.run_layer_rows(layerwise.layer_view(reference, layer), x, start,
+                                          n_new, ref_states[layer], probes.context)
         hidden.append(x)
         captures.append({k: cap[k] for k in ("q", "k", "v", "attn")})
     return ReferencePass(tuple(hidden), tuple(captures))

@@ -72,6 +72,8 @@ class RidgeFit(NamedTuple):
     train_rel_err: tuple[float, float]  # ||Y - X D|| / ||Y|| before (D=0) / after, all rows
     val_rel_err: tuple[float, float]  # same on held-out rows (nan when there are none)
     rank: int | None = None  # rank of `delta` when reduced (None: full rank)
+    factors: tuple | None = None  # (left [d_in, r], right [r, d_out]) with delta = left @
+    # right, when the rank is reduced (what a server stores); None otherwise
 
 
 class GramEig(NamedTuple):
@@ -201,10 +203,10 @@ def _fit_ridge(x, y, holdout, config) -> RidgeFit:
             alpha = min(candidates, key=lambda a: gcv_score(e, _lam(a, e.scale)))
         else:
             alpha = config.alpha
-    delta, lam, train = _final_solve(*stats, alpha, x, y, rank)
+    delta, lam, train, factors = _final_solve(*stats, alpha, x, y, rank)
     if not np.all(np.isfinite(delta)):
         raise FloatingPointError("ridge solution is not finite")
-    return RidgeFit(delta, float(alpha), float(lam), train, val_err, rank)
+    return RidgeFit(delta, float(alpha), float(lam), train, val_err, rank, factors)
 
 
 def _full_rank_allowed(config: RidgeConfig, x, y) -> bool:
@@ -263,20 +265,23 @@ def _reduced_rank_held_out(inv, proj, xv, y_val, ranks) -> dict:
 
 def _final_solve(gram, xty, y_sq, alpha, x, y, rank=None):
     """Fit on all rows with the chosen alpha (Cholesky when lam > 0: one factorisation),
-    then project to `rank` (reduced-rank ridge) when given."""
+    then project to `rank` (reduced-rank ridge) when given, returning its two factors
+    too (else None)."""
     scale = float(np.trace(gram)) / gram.shape[0]
     lam = _lam(alpha, scale)
+    factors = None
     if math.isinf(lam) or scale == 0.0:
         delta = np.zeros_like(xty)
     elif rank is not None:
         e = _eig(gram, xty, y_sq, x.shape[0])
         inv = _inverse_eigs(e, lam)
         w = _rank_basis(inv, e.proj)[:, :rank]
-        delta = (e.eigvecs @ (inv[:, None] * e.proj) @ w) @ w.T
+        factors = (e.eigvecs @ (inv[:, None] * e.proj) @ w, np.ascontiguousarray(w.T))
+        delta = factors[0] @ factors[1]
     elif lam > 0:
         delta = scipy.linalg.cho_solve(scipy.linalg.cho_factor(
             gram + lam * np.eye(gram.shape[0])), xty)
     else:
         delta = solve(_eig(gram, xty, y_sq, x.shape[0]), 0.0)
     rss = y_sq - 2 * float(np.sum(delta * xty)) + float(np.sum(delta * (gram @ delta)))
-    return delta, lam, (_rel(y_sq, y_sq), _rel(max(rss, 0.0), y_sq))
+    return delta, lam, (_rel(y_sq, y_sq), _rel(max(rss, 0.0), y_sq)), factors

@@ -38,6 +38,31 @@ class RetrievalTask(NamedTuple):
     n_facts: int
 
 
+SPLITS = ("dev", "test")
+
+
+def split_range(n_tokens: int, split: str) -> tuple[int, int]:
+    """[start, end) of a split of an evaluation token stream: "dev" is the first half,
+    "test" the second, so contexts drawn inside their split's range (`continuation_tasks`
+    on `ids[start:end]`) are disjoint from the other split's by construction."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not (isinstance(n_tokens, (int, np.integer)) and n_tokens >= 2):
+        raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
+    half = int(n_tokens) // 2
+    return (0, half) if split == "dev" else (half, int(n_tokens))
+
+
+def check_windows_in_split(windows, n_tokens: int, split: str) -> None:
+    """Raise unless every [start, end) token window lies inside `split`'s range (hence
+    outside the other split's)."""
+    lo, hi = split_range(n_tokens, split)
+    bad = [tuple(map(int, w)) for w in windows if not lo <= w[0] < w[1] <= hi]
+    if bad:
+        raise ValueError(f"{split} windows {bad} leave the {split} range [{lo}, {hi}) of "
+                         f"{n_tokens} tokens: dev and test contexts would overlap")
+
+
 def continuation_tasks(ids: Sequence[int], *, n_contexts: int, context_len: int,
                        n_continuations: int, continuation_len: int,
                        offset: int = 0) -> list[ContinuationTask]:

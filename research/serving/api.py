@@ -14,6 +14,13 @@ Engine surface (JetStream/MaxEngine shape, plus a vLLM-style driver loop):
   engine.has_work() -> bool
   engine.metrics() -> EngineMetrics
 All engine methods are called from one thread (the server's engine loop).
+
+Event semantics (research/serving/engine.py): every request gets exactly one event with
+`finish_reason` set, its last. A stop *token* ends a request with a pure finish event
+(token_id None; the stop token is not output); a stop *string* or max_tokens end it on
+the event of the token that completed it. `text` increments concatenate to the output
+text (never a partial UTF-8 character, never a tail that may become a stop string).
+`abort` queues an "abort" finish event that the next `step()` returns.
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """A host-driven engine over a prefix-shared paged KV cache: many sequences, one pool.
 
-Sequences are token lists on the host plus KV blocks on the device. Each sequence keeps
+Sequences are token lists on the host plus KV blocks on the device. The blocks, the
+device pools and the paged model are the serving engine's pool core
+(`research.serving.paged_pool.PagedPool`, shared with `research.serving.engine`): the
+search runs on the same cache machinery the server does. Each sequence keeps
 at least one *pending* token: the tokens whose KV is not computed yet. Three batched
 operations advance any set of sequences in one forward pass of the unmodified model:
 
@@ -37,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.kv import paged
-from research.kv.block_allocator import BlockManager
 from research.model.llama import Model, forward
+from research.serving.paged_pool import PagedPool
 
 MODES = ("prefill", "score", "sample")
 
@@ -71,7 +74,8 @@ class PagedEngine:
 
     model: any servax Model whose caches are codecs in a layout (float, int8, TaSQ/VQ,
       CQ, sign-bit); each layer's records move into pages of one pool, codec kept (a
-      cache that cannot be paged, e.g. an eviction press, is refused with its name).
+      cache that cannot be paged, e.g. an eviction press, is refused with its name, and
+      so is a codec with per-sequence state, KIVI, since rows are re-bound every pass).
     max_len: longest sequence (sets the block-table width).
     temperature: sampling temperature (0 = greedy); top-k/top-p are not used.
     """
@@ -83,21 +87,28 @@ class PagedEngine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if row_multiple < 1:
             raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
-        if max_len > model.config.max_position:
-            raise ValueError(f"max_len={max_len} exceeds the model's max_position="
-                             f"{model.config.max_position}")
-        transform = paged.paged_kv_cache(block_size, n_blocks, implementation, interpret)
-        self.model = transform.apply(model, transform.calibrate(model, None))
-        self.manager = BlockManager(n_blocks, block_size, -(-max_len // block_size))
-        states = self.model.init_cache(1, max_len)
-        self.pools = tuple(paged.pools_of(s) for s in states)
-        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(self.pools)) // n_blocks
+        # The serving engine's pool core: paged model, device pools, block manager.
+        self.pool = PagedPool(model, n_blocks=n_blocks, block_size=block_size,
+                              max_len=max_len, implementation=implementation,
+                              interpret=interpret)
+        self.model = self.pool.model
+        self.manager = self.pool.manager
+        self.block_bytes = self.pool.block_bytes
         self.temperature = float(temperature)
         self.share_prefix = share_prefix
         self.row_multiple = row_multiple
         self.stats = EngineStats()
         self._tokens: dict[int, list[int]] = {}
         self._keys: dict[int, np.ndarray] = {}
+
+    @property
+    def pools(self) -> tuple:
+        """The device K/V pools (held by `self.pool`, replaced by every forward)."""
+        return self.pool.pools
+
+    @pools.setter
+    def pools(self, value: tuple) -> None:
+        self.pool.pools = value
 
     # -- sequences --------------------------------------------------------------------
     def new_sequence(self, tokens: Sequence[int], key: int | Sequence[int] = 0) -> int:
@@ -237,7 +248,9 @@ class PagedEngine:
             if n < 1:
                 raise ValueError(f"sequence {s} has nothing to compute in mode {mode!r}")
         starts = [self.manager.length(s) for s in seqs]
-        self._copy(self.manager.reserve(dict(rows)))
+        copies0 = self.pool.block_copies
+        self.pool.reserve(dict(rows))
+        self.stats.block_copies += self.pool.block_copies - copies0
         r = self._row_bucket(len(rows))
         t = _chunk_bucket(max(n for _, n in rows))
         m = self._table_bucket(max(len(self.manager.blocks(s)) for s in seqs))
@@ -273,14 +286,7 @@ class PagedEngine:
         return toks, logps
 
     def _copy(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        n = _pow2(len(copies), minimum=8)
-        src = np.full((n,), 0, np.int32)
-        dst = np.full((n,), -1, np.int32)
-        src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        pools = paged.copy_pool_blocks(self.pools, jnp.asarray(src), jnp.asarray(dst))
-        self.pools = pools
+        self.pool.copy(copies)
         self.stats.block_copies += len(copies)
 
     def _table_bucket(self, n_blocks: int) -> int:

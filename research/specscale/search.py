@@ -19,6 +19,9 @@ at the first token containing a newline (or a stop token, or `max_line_tokens`).
     `prune_token_logp` drops a candidate the moment it samples a token less likely than
     that; `prune_margin` drops it when its finished line is less likely (mean per token)
     than the best sibling line at that depth by more than the margin;
+  * `process_prune`: the exact process verifier (`ProcessVerifier`, no model call)
+    checks each line the moment it is written; a candidate whose line fails is dropped
+    before it costs likelihood verification or more generation;
   * `dedup`: a candidate whose whole token path equals a live sibling's is merged into
     it (its KV freed, its paths added to the twin's), so identical paths are generated,
     stored and judged once. Merging removes computation, not search: a bundle stands for
@@ -31,8 +34,13 @@ at the first token containing a newline (or a stop token, or `max_line_tokens`).
   blocks (the `PagedEngine`), and verifier sequences fork the parent's judged prefix.
   Every method keeps at least one candidate per problem alive.
 
-Beam search is `SearchConfig(method="beam")`; SpecScale with every switch off reproduces
-it decision for decision (tested), which is what makes the ablation meaningful.
+With `process=True` (any verifier-guided method) a line's judgement also includes the
+exact process check: every failed line lowers the path's score by `PROCESS_PENALTY`, far
+more than any likelihood difference, so paths with correct steps always rank first and
+the likelihood verifier orders paths among equals.
+
+Beam search is `SearchConfig(method="beam")`; tests/specscale compare beam search and
+SpecScale with an independent beam-search implementation written in the test.
 """
 from __future__ import annotations
 
@@ -47,9 +55,10 @@ import numpy as np
 
 from research.serving.generate import default_stop_tokens
 from research.specscale.engine import PagedEngine, child_key
-from research.specscale.verifier import LikelihoodVerifier
+from research.specscale.verifier import LikelihoodVerifier, ProcessVerifier
 
 METHODS = ("single", "best_of_n", "beam", "specscale")
+PROCESS_PENALTY = 100.0  # score cost of one failed process check (likelihoods are ~-0..-10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,8 @@ class SearchConfig:
     prune_margin: float | None = None
     prune_token_logp: float | None = None
     dedup: bool = False
+    process: bool = False  # judge lines with the exact process verifier too
+    process_prune: bool = False  # drop a candidate the moment a line fails that check
     max_lines: int = 4
     max_line_tokens: int = 16
     temperature: float | None = None  # None = the engine's; 0 = greedy
@@ -87,9 +98,16 @@ class SearchConfig:
             raise ValueError(f"temperature must be >= 0 or None, got {self.temperature}")
         if self.method == "beam" and (self.defer != 1 or self.dedup or self.prune_margin
                                       is not None or self.prune_token_logp is not None
-                                      or self.reject_below is not None):
+                                      or self.reject_below is not None or
+                                      self.process_prune):
             raise ValueError("method='beam' is plain beam search: use method='specscale' for "
-                             "defer/dedup/prune_margin/prune_token_logp/reject_below")
+                             "defer/dedup/prune_margin/prune_token_logp/reject_below/"
+                             "process_prune")
+        if self.process_prune and not self.process:
+            raise ValueError("process_prune needs process=True (pruned paths and judged "
+                             "paths must be scored by the same checks)")
+        if self.process and self.method == "single":
+            raise ValueError("method='single' uses no verifier: process must be False")
 
     @property
     def label(self) -> str:
@@ -113,7 +131,7 @@ def beam_search(beam_width: int, expand: int, **kw) -> SearchConfig:
 def specscale(beam_width: int, expand: int, *, defer: int = 1,
               reject_below: float | None = None, prune_margin: float | None = 2.0,
               prune_token_logp: float | None = -6.0, dedup: bool = True,
-              **kw) -> SearchConfig:
+              process: bool = True, process_prune: bool = True, **kw) -> SearchConfig:
     """SpecScale with the defaults chosen on a dev split (seed 1000) of the arithmetic task
     on CPU: dedup on (it alone makes beam search's decisions at ~1/3 of the tokens),
     early pruning on; deferral (defer > 1) cut verifier calls there but not time, and
@@ -121,7 +139,8 @@ def specscale(beam_width: int, expand: int, *, defer: int = 1,
     off by default; the ablations in experiments/specscale measure each switch."""
     return SearchConfig(method="specscale", beam_width=beam_width, expand=expand,
                         defer=defer, reject_below=reject_below, prune_margin=prune_margin,
-                        prune_token_logp=prune_token_logp, dedup=dedup,
+                        prune_token_logp=prune_token_logp, dedup=dedup, process=process,
+                        process_prune=process_prune,
                         name=kw.pop("name", f"specscale {beam_width}x{expand}"), **kw)
 
 
@@ -134,6 +153,7 @@ class SearchContext:
         self.verifier = LikelihoodVerifier(engine, tokenizer, task)
         self.root = engine.new_sequence(tokenizer.encode(task.shared_prompt()))
         engine.prefill([self.root], tag="generator_prompt")
+        self.process = ProcessVerifier(task)
         self.stop_ids = frozenset(default_stop_tokens(tokenizer))
         self.line_end = _line_end_table(tokenizer, engine.model.config.vocab_size)
 
@@ -160,6 +180,7 @@ class Candidate:
     line_ends: list[int] = dataclasses.field(default_factory=list)  # gen length after each
     gen_scores: list[float] = dataclasses.field(default_factory=list)
     ver_scores: list[float] = dataclasses.field(default_factory=list)
+    checks: list[bool] = dataclasses.field(default_factory=list)  # process check per line
     cur: list[int] = dataclasses.field(default_factory=list)
     cur_logp: list[float] = dataclasses.field(default_factory=list)
     finished: bool = False
@@ -183,7 +204,11 @@ class Candidate:
 
     @property
     def score(self) -> float:
-        return float(np.mean(self.ver_scores)) if self.ver_scores else -math.inf
+        """Mean likelihood score of the judged lines, minus PROCESS_PENALTY per line that
+        failed the process check (when the search uses it)."""
+        if not self.ver_scores:
+            return -math.inf
+        return float(np.mean(self.ver_scores)) - PROCESS_PENALTY * self.checks.count(False)
 
 
 @dataclasses.dataclass
@@ -230,7 +255,7 @@ class _Searcher:
             parent, gen=self.engine.fork(parent.gen, salt=salt), paths=paths,
             ver=self.verifier.fork(parent.ver), lines=[list(x) for x in parent.lines],
             line_ends=list(parent.line_ends), gen_scores=list(parent.gen_scores),
-            ver_scores=list(parent.ver_scores), cur=list(parent.cur),
+            ver_scores=list(parent.ver_scores), checks=list(parent.checks), cur=list(parent.cur),
             cur_logp=list(parent.cur_logp))
 
     def _children(self, parent: Candidate, k: int) -> list[Candidate]:
@@ -343,6 +368,12 @@ class _Searcher:
                 self._drop(c)
                 return
             seen[key] = c
+        if cfg.process_prune:
+            self._process_check(c)
+            if not c.checks[-1] and any(o is not c and o.alive and o.slot == c.slot
+                                        for o in self._live):
+                self._drop(c)
+                return
         if cfg.prune_margin is not None:
             depth = (c.slot, len(c.lines))
             best = max(best_at.get(depth, -math.inf), c.gen_scores[-1])
@@ -353,6 +384,13 @@ class _Searcher:
                     self._drop(other)
 
     # verification and rollback
+    def _process_check(self, c: Candidate) -> None:
+        """Extend c.checks over every line not checked yet (exact, no model call)."""
+        if len(c.checks) < len(c.lines):
+            texts = [self.ctx.tokenizer.decode(x, skip_special=True) for x in c.lines]
+            c.checks += self.ctx.process.check(self.problems[c.slot], texts,
+                                               first=len(c.checks))
+
     def _judge(self, cands: list[Candidate]) -> None:
         todo = [c for c in cands if c.alive and len(c.lines) > c.n_judged]
         if not todo:
@@ -362,6 +400,8 @@ class _Searcher:
                                            [c.lines[c.n_judged:] for c in todo])
         for c, s, first in zip(todo, scores, firsts):
             c.ver_scores.extend(s)
+            if self.cfg.process:
+                self._process_check(c)
             texts = [self.ctx.tokenizer.decode(x, skip_special=True) for x in c.lines]
             for i in range(first, len(c.lines)):
                 self.judged.append((self.problems[c.slot].uid, texts[:i + 1], c.ver_scores[i]))
@@ -395,7 +435,7 @@ class _Searcher:
         self.verifier.truncate_lines(c.ver, c.lines, n_lines)
         self.engine.truncate(c.gen, c.line_ends[n_lines - 1])
         del c.lines[n_lines:], c.line_ends[n_lines:], c.gen_scores[n_lines:]
-        del c.ver_scores[n_lines:]
+        del c.ver_scores[n_lines:], c.checks[n_lines:]
         text = self.ctx.tokenizer.decode(c.lines[-1], skip_special=True)
         c.finished = (self.ctx.task.is_final_line(text) or c.lines[-1][-1] in self.ctx.stop_ids
                       or len(c.lines) >= self.cfg.max_lines)
@@ -472,6 +512,7 @@ def run_search(ctx: SearchContext, problems: Sequence, cfg: SearchConfig, *, see
     engine, ver = ctx.engine, ctx.verifier
     calls0, tok0 = dict(engine.stats.forward_calls), dict(engine.stats.tokens_computed)
     copies0, vstats0 = engine.stats.block_copies, dataclasses.replace(ver.stats)
+    checks0 = ctx.process.stats.calls
     base_blocks = engine.blocks_in_use
     results: list[ProblemResult] = []
     groups = [problems[i:i + group_size] for i in range(0, len(problems), group_size)]
@@ -506,6 +547,7 @@ def run_search(ctx: SearchContext, problems: Sequence, cfg: SearchConfig, *, see
         "tokens_computed": sum(toks.values()),
         "verifier_judgements": ver.stats.calls - vstats0.calls,
         "verifier_tokens": ver.stats.tokens - vstats0.tokens,
+        "process_checks": ctx.process.stats.calls - checks0,
         "peak_kv_blocks": max(group_peaks),
         "peak_kv_bytes": max(group_peaks) * engine.block_bytes,
         "group_peak_kv_blocks": group_peaks,

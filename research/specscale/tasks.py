@@ -11,15 +11,22 @@ generator (the same `seed` gives the same problems); the few-shot examples in th
 come from a separate fixed stream, never from the evaluated problems. Checking is
 programmatic (`check`): the number after the first "Answer:" must equal the true result.
 
-Difficulty knobs: `n_steps`, the start range and the operand range. SmolLM2-135M-Instruct
-solves the default (2 steps, single digits) sometimes but not always with one sample
-(measured in experiments/specscale).
+Difficulty knobs: `n_steps`, the start range and the operand range (the experiment's
+configs choose them on the dev split so that one sample is mostly wrong).
+
+Dev and test problems are disjoint by construction (docs/protocol.md): with
+`split="dev"|"test"`, `problems` keeps only problems whose content (start, operations)
+hashes into that split (`research.core.splits`, salt `SPLIT_SALT`), so a dev seed and a
+test seed can never score the same problem.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import re
+
+from research.core import splits
 
 ANSWER_PREFIX = "Answer:"
 _ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)")
@@ -27,6 +34,7 @@ _STEP_RE = re.compile(r"\s*(-?\d+) ([+-]) (\d+) = (-?\d+)\s*")
 _OP_WORDS = {"+": "Add", "-": "Subtract"}
 INSTRUCTION = "Solve the arithmetic chain one step per line, then give the answer.\n\n"
 EXAMPLE_SEED = 10_007  # the few-shot stream; evaluated problems use the caller's seed
+SPLIT_SALT = "arith"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +65,21 @@ class Problem:
         return "\n".join(lines) + f"\n{ANSWER_PREFIX} {value}\n"
 
 
+def problem_key(p: Problem) -> str:
+    """A problem's identity for splitting: its numbers, not its uid or seed."""
+    return repr((p.start, p.ops))
+
+
+def parse_problem(text: str) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """(start, operations) read back from a problem's text ("Start with 7. Add 5. ...")."""
+    m = re.match(r"\s*Problem: Start with (\d+)\.((?: (?:Add|Subtract) \d+\.)*)\s*$", text)
+    if not m:
+        raise ValueError(f"not an arithmetic-chain problem text: {text!r}")
+    words = {w: op for op, w in _OP_WORDS.items()}
+    ops = tuple((words[w], int(b)) for w, b in re.findall(r"(Add|Subtract) (\d+)\.", m[2]))
+    return int(m[1]), ops
+
+
 @dataclasses.dataclass(frozen=True)
 class ArithmeticChains:
     """The task family. All numbers are non-negative at every step.
@@ -83,11 +106,17 @@ class ArithmeticChains:
                              f"{self.n_shots}, {self.verifier_shots}")
 
     # -- problems ---------------------------------------------------------------------
-    def problems(self, n: int, seed: int) -> list[Problem]:
+    def problems(self, n: int, seed: int, split: str | None = None) -> list[Problem]:
+        """n problems from the seeded stream; with `split` ("dev" / "test"), the first n
+        distinct problems of the stream that belong to that split (disjoint by content)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         rng = random.Random(seed)
-        return [self._draw(rng, uid=i) for i in range(n)]
+        if split is None:
+            return [self._draw(rng, uid=i) for i in range(n)]
+        stream = (self._draw(rng, uid=0) for _ in itertools.count())
+        chosen = splits.take(stream, split, n, salt=SPLIT_SALT, key=problem_key)
+        return [dataclasses.replace(p, uid=i) for i, p in enumerate(chosen)]
 
     def _draw(self, rng: random.Random, uid: int) -> Problem:
         start = value = rng.randint(*self.start_range)

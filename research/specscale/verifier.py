@@ -1,4 +1,8 @@
-"""A process-reward-like step scorer that costs a model call: likelihood under a verifier prompt.
+"""Step verifiers: a likelihood scorer that costs a model call, and an exact process check.
+
+`ProcessVerifier` (end of the module) checks each arithmetic line programmatically and
+costs no model call; the search uses it beside the likelihood verifier below.
+
 
 The score of a step (one solution line) is the model's mean per-token log-likelihood of
 that line under a *verification prompt*: a longer k-shot context of worked solutions
@@ -20,11 +24,13 @@ only the new line(s). A path's verifier sequence always ends at its last verifie
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import numpy as np
 
 from research.specscale.engine import PagedEngine
+from research.specscale.tasks import parse_problem
 
 
 @dataclasses.dataclass
@@ -111,3 +117,52 @@ def step_auroc(scores: Sequence[float], correct: Sequence[bool]) -> float:
     greater = (pos[:, None] > neg[None, :]).mean()
     ties = (pos[:, None] == neg[None, :]).mean()
     return float(greater + 0.5 * ties)
+
+
+_LINE_RE = re.compile(r"\s*(-?\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)\s*")
+_FINAL_RE = re.compile(r"\s*Answer:\s*(-?\d+)\s*")
+
+
+class ProcessVerifier:
+    """An exact, programmatic process verifier: checks every line of a solution path.
+
+    It reads the problem from its text (`Problem: Start with 7. Add 5. Subtract 3.`) and
+    accepts line i when it is `a op b = c` with `a` the previous line's result (the start
+    value for the first line), `op b` the problem's i-th operation and `c = a op b`
+    exactly; the line after the last operation must be `Answer: v` with v the last result.
+    A line is judged in the context of the path's earlier lines (a wrong earlier line
+    makes every later line fail). It costs no model call: `stats.calls` counts lines
+    checked, `stats.forward_calls` and `stats.tokens` stay 0.
+    """
+
+    def __init__(self, task):
+        self.task = task
+        self.stats = VerifierStats()
+        self._parsed: dict[str, tuple] = {}
+
+    def check(self, problem, lines: Sequence[str], first: int = 0) -> list[bool]:
+        """Whether each of lines[first:] is a correct step given the lines before it."""
+        if not 0 <= first <= len(lines):
+            raise ValueError(f"first must be in [0, {len(lines)}], got {first}")
+        text = self.task.problem_prompt(problem)
+        if text not in self._parsed:
+            self._parsed[text] = parse_problem(text)
+        start, ops = self._parsed[text]
+        value, ok, out = start, True, []
+        for i, line in enumerate(lines):
+            if i < len(ops):
+                m = _LINE_RE.fullmatch(line)
+                good = False
+                if m and ok:
+                    a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
+                    good = (a == value and (op, b) == ops[i]
+                            and c == (a + b if op == "+" else a - b))
+                    value = c
+            else:
+                m = _FINAL_RE.fullmatch(line)
+                good = bool(m and ok and i == len(ops) and int(m[1]) == value)
+            ok = ok and good
+            if i >= first:
+                out.append(ok)
+        self.stats.calls += len(out)
+        return out

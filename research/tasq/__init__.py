@@ -6,7 +6,7 @@ from research.tasq.config import TaSQConfig
 from research.tasq.cq import CQCodec
 from research.tasq.fingerprint import model_fingerprint
 from research.tasq.fold import fold_kv_scales
-from research.tasq.kivi import KIVIKVCache
+from research.tasq.kivi import KIVICodec
 from research.tasq.metrics import (attention_output_error, bits_per_channel, cache_param_bytes,
                                    max_batch_with_codebooks)
 from research.tasq.sign import SignCodec
@@ -16,5 +16,5 @@ from research.tasq.vq import VQCodec
 __all__ = ["TaSQConfig", "TaSQState", "tasq", "plain_vq", "apply_state", "calibrate_state",
            "fold_kv_scales", "model_fingerprint", "save_state", "restore_state",
            "int8_kv", "kivi_kv", "sign_kv", "cq_style", "CQState", "VQCodec", "CQCodec",
-           "KIVIKVCache", "SignCodec", "attention_output_error", "bits_per_channel",
+           "KIVICodec", "SignCodec", "attention_output_error", "bits_per_channel",
            "cache_param_bytes", "max_batch_with_codebooks"]

@@ -17,12 +17,11 @@ from jaxtyping import Array
 
 from flax import struct
 
-from research.kv.dense import DenseKVCache
-from research.kv.layouts import is_raw, replace_codecs
+from research.kv.layouts import replace_codecs
 from research.kv.quantized import Int8Codec
 from research.model.llama import Model
 from research.tasq.cq import CQCodec
-from research.tasq.kivi import KIVIKVCache
+from research.tasq.kivi import KIVICodec
 from research.tasq.sign import SignCodec, gaussian_projection
 from research.tasq.config import CODE_BITS
 from research.tasq.fingerprint import check_fingerprint, model_fingerprint
@@ -37,19 +36,16 @@ def int8_kv() -> Transform:
 
 
 def kivi_kv(bits: int = 2, key_group: int = 32, value_group: int = 32,
-            residual: int = 128) -> Transform:
-    KIVIKVCache(bits=bits, key_group=key_group, value_group=value_group, residual=residual)
+            residual: int = 128, rollback: int = 0) -> Transform:
+    """KIVI codec in every layer, each keeping its layout (dense, window ring or pages).
+    `rollback`: deepest exact rollback (extra full-precision ring slots)."""
+    KIVICodec(bits=bits, key_group=key_group, value_group=value_group, residual=residual,
+              rollback=rollback)  # validates the arguments now, not at apply time
 
     def apply(model, state):
-        for i, cache in enumerate(model.caches):
-            if not (is_raw(cache) and isinstance(cache, DenseKVCache)):
-                raise TypeError(f"kivi_kv would discard layer {i}'s {cache.describe()} cache: "
-                                "KIVI replaces a float32 dense layout only (its residual "
-                                "ring and per-block key scales are not per-token records)")
-        cache = KIVIKVCache(bits=bits, key_group=key_group, value_group=value_group,
-                            residual=residual)
-        return model.replace(caches=(cache,) * len(model.caches),
-                             tags=model.tags + (f"kivi{bits}",))
+        codec = KIVICodec(bits=bits, key_group=key_group, value_group=value_group,
+                          residual=residual, rollback=rollback)
+        return replace_codecs(model, lambda i: codec, "kivi_kv", f"kivi{bits}")
 
     return stateless(apply, f"kivi({bits}b)")
 

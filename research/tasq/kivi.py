@@ -1,35 +1,55 @@
-"""KIVI-style low-bit KV cache (Liu et al., 2024), adapted to a fixed-shape JAX cache.
+"""KIVI-style low-bit KV codec (Liu et al., 2024), in any layout (dense, window ring, pages).
 
-Keys are quantised per channel over blocks of `key_group` consecutive tokens (keys have
+Keys are quantised per channel over groups of `key_group` consecutive positions (keys have
 outlier channels, so a channel shares one scale/zero across tokens); values per token over
-groups of `value_group` channels. The `residual` most recent tokens stay in full precision
-(`residual_dtype`), held in a ring.
+groups of `value_group` channels. The `residual` most recent tokens are also kept in full
+precision (`residual_dtype`) in a per-sequence ring of `residual + rollback` slots.
 
-Adaptation (say it, because KIVI's residual length varies between 0 and R in the paper):
-here a query at position t reads cached position p from the full-precision copy exactly when
-t - p < residual, and from the quantised copy otherwise, for prefill and decode alike.
-A key block is quantised as soon as its last token is written; `residual >= key_group`
-guarantees that every token a query reads quantised lies in a complete block, and that the
-earlier tokens of a block still sit in the ring when the block completes.
+Records (per token, so any layout stores them; slot groups are aligned to position groups,
+`align = key_group`):
+
+    k_codes [Hkv, D*bits/8] uint8   key codes of the token
+    k_stats [Hkv, P] float16        piece j of its group's per-channel key (scale, zero),
+                                    j = position % key_group, P = ceil(2D / key_group)
+    v_codes [Hkv, D*bits/8] uint8, v_scale / v_zero [Hkv, D/value_group] float16
+
+A group's key codes depend on all its tokens, so `write` re-emits the records of the
+chunk's first group from its earlier tokens (read from the full-precision ring) together
+with the chunk: a group's records are always written whole, by the write that extends it.
+
+Reads (KIVI's residual, made position-exact so prefill and decode agree and every layout
+gives the same result): a query at position t reads cached position p from the
+full-precision ring exactly when t - p < residual, and from the codes otherwise;
+`residual >= key_group` guarantees that every position read from codes lies in a group
+that was complete when it was written.
+
+Rollback by length: a write at `start` first forgets every ring entry at or past `start`,
+so a rolled-back sequence needs no truncate call. It is exact while the rollback depth is
+at most `rollback` (the ring still holds the `residual` tokens before the new end and the
+earlier tokens of its group); a deeper one would need dropped tokens: those rows come out
+NaN (never silently wrong).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
-
-from research.kv.base import KVCache, scatter_tokens, write_positions
-from research.kv.quantized import (dequantize_uniform, pack_bits, quantize_uniform,
-                                   unpack_bits)
-from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
 from flax import struct
+
+from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
+from research.kv.base import scatter_tokens
+from research.kv.codec import KVCodec, Written
+from research.kv.quantized import (SCALE_DTYPE, dequantize_uniform, pack_bits,
+                                   quantize_uniform, unpack_bits)
 
 
 @struct.dataclass
-class KIVIKVCache(KVCache):
+class KIVICodec(KVCodec):
     bits: int = struct.field(pytree_node=False, default=2)
     key_group: int = struct.field(pytree_node=False, default=32)
     value_group: int = struct.field(pytree_node=False, default=32)
     residual: int = struct.field(pytree_node=False, default=128)
     residual_dtype: str = struct.field(pytree_node=False, default="bfloat16")
+    rollback: int = struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         if self.bits not in (1, 2, 4):
@@ -39,116 +59,139 @@ class KIVIKVCache(KVCache):
                              f"{self.key_group=}, {self.value_group=}")
         if self.residual < self.key_group:
             raise ValueError(f"residual ({self.residual}) must be >= key_group "
-                             f"({self.key_group}): a key block is quantised from the ring")
+                             f"({self.key_group}): a key group is quantised from the ring")
+        if self.rollback < 0:
+            raise ValueError(f"rollback must be >= 0, got {self.rollback}")
 
-    def init(self, batch, max_len, n_kv_heads, head_dim):
+    @property
+    def align(self) -> int:
+        return self.key_group
+
+    @property
+    def ring(self) -> int:
+        return self.residual + self.rollback
+
+    def _pieces(self, head_dim: int) -> int:
+        return -(-2 * head_dim // self.key_group)
+
+    def record_spec(self, n_kv_heads, head_dim):
         if head_dim % self.value_group:
             raise ValueError(f"value_group={self.value_group} must divide head_dim={head_dim}")
         if (head_dim * self.bits) % 8:
             raise ValueError(f"head_dim * bits = {head_dim * self.bits} must be a multiple of 8")
-        h, d, r = n_kv_heads, head_dim, self.residual
-        packed = (batch, max_len, h, d * self.bits // 8)
-        n_blocks = -(-max_len // self.key_group)
-        f16 = jnp.float16
-        return {"k_codes": jnp.zeros(packed, jnp.uint8),
-                "k_scale": jnp.zeros((batch, n_blocks, h, d), f16),
-                "k_zero": jnp.zeros((batch, n_blocks, h, d), f16),
-                "v_codes": jnp.zeros(packed, jnp.uint8),
-                "v_scale": jnp.zeros((batch, max_len, h, d // self.value_group), f16),
-                "v_zero": jnp.zeros((batch, max_len, h, d // self.value_group), f16),
-                "ring_k": jnp.zeros((batch, r, h, d), self.residual_dtype),
+        h, d = n_kv_heads, head_dim
+        codes = jax.ShapeDtypeStruct((h, d * self.bits // 8), jnp.dtype(jnp.uint8))
+        vstat = jax.ShapeDtypeStruct((h, d // self.value_group), jnp.dtype(SCALE_DTYPE))
+        return {"k_codes": codes,
+                "k_stats": jax.ShapeDtypeStruct((h, self._pieces(d)), jnp.dtype(SCALE_DTYPE)),
+                "v_codes": codes, "v_scale": vstat, "v_zero": vstat}
+
+    def init_seq_state(self, batch, n_kv_heads, head_dim):
+        r, h, d = self.ring, n_kv_heads, head_dim
+        return {"ring_k": jnp.zeros((batch, r, h, d), self.residual_dtype),
                 "ring_v": jnp.zeros((batch, r, h, d), self.residual_dtype),
                 "ring_pos": jnp.full((batch, r), -1, jnp.int32)}
 
+    def encode(self, k, v, positions):
+        raise TypeError("KIVICodec's key codes depend on a whole group of positions: layouts "
+                        "call write(k, v, positions, valid, seq_state), not encode")
+
     # -- writes ------------------------------------------------------------------------
-    def _write_values(self, state, v, slots):
-        b, t, h, d = v.shape
-        vg = v.reshape(b, t, h, d // self.value_group, self.value_group)
-        codes, scale, zero = quantize_uniform(vg, self.bits, axes=(-1,))
-        return {**state,
-                "v_codes": scatter_tokens(state["v_codes"], slots,
-                                          pack_bits(codes.reshape(b, t, h, d), self.bits)),
-                "v_scale": scatter_tokens(state["v_scale"], slots, scale[..., 0]),
-                "v_zero": scatter_tokens(state["v_zero"], slots, zero[..., 0])}
+    def write(self, k, v, positions, valid, seq_state):
+        b, t, h, d = k.shape
+        g, r = self.key_group, self.ring
+        start = positions[:, 0]
+        n_new = jnp.sum(valid, axis=1)
+        ring_pos = jnp.where(seq_state["ring_pos"] >= start[:, None], -1,
+                             seq_state["ring_pos"])  # rolled back: forgotten
+        k_fp, v_fp = k.astype(self.residual_dtype), v.astype(self.residual_dtype)
 
-    def _write_keys(self, state, k_fp, start, n_new):
-        """Quantise every key block this chunk completes, reading its earlier tokens from
-        the ring (written before this chunk) and the rest from the chunk."""
-        b, t, h, d = k_fp.shape
-        gk, r = self.key_group, self.residual
-        max_len, n_blocks = state["k_codes"].shape[1], state["k_scale"].shape[1]
-        nb = -(-t // gk) + 1  # blocks a chunk of t tokens can touch
-        blk = (start // gk)[:, None] + jnp.arange(nb)[None, :]  # [B, nb]
-        pos = blk[:, :, None] * gk + jnp.arange(gk)[None, None, :]  # [B, nb, gk]
-        complete = (blk + 1) * gk <= (start + n_new)[:, None]
-        b_idx = jnp.arange(b)[:, None, None]
-        from_chunk = k_fp[b_idx, jnp.clip(pos - start[:, None, None], 0, t - 1)]
-        from_ring = state["ring_k"][b_idx, pos % r].astype(k_fp.dtype)
-        in_chunk = (pos >= start[:, None, None])[..., None, None]
-        blocks = jnp.where(in_chunk, from_chunk, from_ring)  # [B, nb, gk, H, D]
-        codes, scale, zero = quantize_uniform(blocks, self.bits, axes=(2,))
-        tok_slots = jnp.where(complete[:, :, None], pos, max_len).reshape(b, nb * gk)
-        blk_slots = jnp.where(complete, blk, n_blocks)
-        packed = pack_bits(codes, self.bits).reshape(b, nb * gk, h, -1)
-        return {**state,
-                "k_codes": scatter_tokens(state["k_codes"], tok_slots, packed),
-                "k_scale": scatter_tokens(state["k_scale"], blk_slots, scale[:, :, 0]),
-                "k_zero": scatter_tokens(state["k_zero"], blk_slots, zero[:, :, 0])}
+        # The chunk's positions extended back to the start of its first group.
+        n_groups = -(-(t + g - 1) // g)
+        first = (start // g) * g
+        pos = first[:, None] + jnp.arange(n_groups * g)[None, :]  # [B, T2]
+        b_idx = jnp.arange(b)[:, None]
+        in_chunk = pos >= start[:, None]
+        slot = pos % r
+        take = lambda chunk, ring: jnp.where(  # noqa: E731
+            in_chunk[..., None, None], chunk[b_idx, jnp.clip(pos - start[:, None], 0, t - 1)],
+            ring[b_idx, slot])
+        kk = take(k_fp, seq_state["ring_k"]).astype(jnp.float32)
+        vv = take(v_fp, seq_state["ring_v"]).astype(jnp.float32)
+        stepping = n_new > 0
+        rec_valid = (pos < (start + n_new)[:, None]) & stepping[:, None]
 
-    def _write_ring(self, state, k_fp, v_fp, q_pos, n_new):
-        t = k_fp.shape[1]
-        r = self.residual
-        new_valid = jnp.arange(t)[None, :] < n_new[:, None]
-        keep = new_valid & (jnp.arange(t)[None, :] >= n_new[:, None] - r)
+        # Keys: per channel over each group (only its real tokens count).
+        kg = jnp.where(rec_valid[..., None, None], kk, 0.0).reshape(b, n_groups, g, h, d)
+        codes, scale, zero = quantize_uniform(kg, self.bits, axes=(2,))
+        stats = jnp.concatenate([scale[:, :, 0], zero[:, :, 0]], axis=-1)  # [B, n, H, 2D]
+        p = self._pieces(d)
+        stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0), (0, g * p - 2 * d)))
+        stats = stats.reshape(b, n_groups, h, g, p).transpose(0, 1, 3, 2, 4)
+        # Values: per token over channel groups.
+        vg = vv.reshape(b, n_groups * g, h, d // self.value_group, self.value_group)
+        v_codes, v_scale, v_zero = quantize_uniform(vg, self.bits, axes=(-1,))
+        records = {
+            "k_codes": pack_bits(codes.reshape(b, n_groups * g, h, d), self.bits),
+            "k_stats": stats.reshape(b, n_groups * g, h, p).astype(SCALE_DTYPE),
+            "v_codes": pack_bits(v_codes.reshape(b, n_groups * g, h, d), self.bits),
+            "v_scale": v_scale[..., 0], "v_zero": v_zero[..., 0]}
+
+        # Exact only if the ring still holds the residual before the chunk (which covers
+        # the group's earlier tokens): a deeper rollback than `rollback` is flagged.
+        back = start[:, None] - jnp.arange(1, self.residual)[None, :]
+        held = jnp.take_along_axis(ring_pos, back % r, axis=1) == back
+        bad = stepping & jnp.any((back >= 0) & ~held, axis=1)
+
+        # Full-precision copy for reads: ring (before the chunk) + the chunk.
+        q_pos = positions
+        extra = {"fp_k": jnp.concatenate([seq_state["ring_k"], k_fp], axis=1),
+                 "fp_v": jnp.concatenate([seq_state["ring_v"], v_fp], axis=1),
+                 "fp_pos": jnp.concatenate([ring_pos, q_pos], axis=1),
+                 "fp_valid": jnp.concatenate([ring_pos >= 0, valid], axis=1)}
+        keep = valid & (jnp.arange(t)[None, :] >= n_new[:, None] - r)
         slots = jnp.where(keep, q_pos % r, r)
-        return {**state, "ring_k": scatter_tokens(state["ring_k"], slots, k_fp),
-                "ring_v": scatter_tokens(state["ring_v"], slots, v_fp),
-                "ring_pos": scatter_tokens(state["ring_pos"], slots, q_pos)}
+        new_seq = {"ring_k": scatter_tokens(seq_state["ring_k"], slots, k_fp),
+                   "ring_v": scatter_tokens(seq_state["ring_v"], slots, v_fp),
+                   "ring_pos": scatter_tokens(ring_pos, slots, q_pos)}
+        return Written(records, pos, rec_valid, new_seq, extra, bad)
 
     # -- reads -------------------------------------------------------------------------
-    def _dequantized(self, state):
-        b, s, h, _ = state["k_codes"].shape
-        d = state["k_scale"].shape[-1]
-        block_of = jnp.arange(s) // self.key_group
-        keys = dequantize_uniform(unpack_bits(state["k_codes"], self.bits),
-                                  state["k_scale"][:, block_of], state["k_zero"][:, block_of])
-        vc = unpack_bits(state["v_codes"], self.bits).reshape(b, s, h, d // self.value_group,
-                                                               self.value_group)
-        vals = dequantize_uniform(vc, state["v_scale"][..., None], state["v_zero"][..., None])
+    def decode(self, records, positions):
+        """Dense K and V of the stored codes (slots in groups of `key_group`)."""
+        b, s, h, _ = records["k_codes"].shape
+        g = self.key_group
+        if s % g:
+            raise ValueError(f"KIVI reads slot groups of {g}: got {s} slots")
+        d = records["v_scale"].shape[-1] * self.value_group
+        stats = records["k_stats"].reshape(b, s // g, g, h, -1).transpose(0, 1, 3, 2, 4)
+        stats = stats.reshape(b, s // g, h, -1)[..., :2 * d]
+        scale = jnp.repeat(stats[..., :d], g, axis=1)
+        zero = jnp.repeat(stats[..., d:], g, axis=1)
+        keys = dequantize_uniform(unpack_bits(records["k_codes"], self.bits), scale, zero)
+        vc = unpack_bits(records["v_codes"], self.bits).reshape(b, s, h, d // self.value_group,
+                                                                self.value_group)
+        vals = dequantize_uniform(vc, records["v_scale"][..., None],
+                                  records["v_zero"][..., None])
         return keys, vals.reshape(b, s, h, d)
 
-    def update_and_attend(self, state, q, k, v, *, start, n_new, window):
-        b, t = q.shape[:2]
-        max_len = state["k_codes"].shape[1]
-        k_fp = k.astype(self.residual_dtype)
-        v_fp = v.astype(self.residual_dtype)
-        q_pos = start[:, None] + jnp.arange(t)[None, :]
-        old_ring = (state["ring_k"], state["ring_v"], state["ring_pos"])
-        slots = write_positions(start, n_new, t, max_len)
-        state = self._write_values(state, v_fp.astype(jnp.float32), slots)
-        state = self._write_keys(state, k_fp.astype(jnp.float32), start, n_new)
-        keys_q, vals_q = self._dequantized(state)
-        # Quantised copy: every written position at distance >= residual from the query.
-        kv_pos = jnp.broadcast_to(jnp.arange(max_len)[None, :], (b, max_len))
-        far = (q_pos[:, :, None] - kv_pos[:, None, :]) >= self.residual
-        mask_q = attention_mask(q_pos, kv_pos, kv_pos < (start + n_new)[:, None], window) & far
-        # Full-precision copy: ring (before this chunk) + the chunk, at distance < residual.
-        fp_pos = jnp.concatenate([old_ring[2], q_pos], axis=1)
-        fp_valid = jnp.concatenate([old_ring[2] >= 0, jnp.arange(t)[None, :] < n_new[:, None]],
-                                   axis=1)
-        near = (q_pos[:, :, None] - fp_pos[:, None, :]) < self.residual
-        mask_fp = attention_mask(q_pos, fp_pos, fp_valid, window) & near
-        keys = jnp.concatenate([keys_q, jnp.concatenate([old_ring[0], k_fp], 1)
-                                .astype(jnp.float32)], axis=1)
-        vals = jnp.concatenate([vals_q, jnp.concatenate([old_ring[1], v_fp], 1)
-                                .astype(jnp.float32)], axis=1)
-        mask = jnp.concatenate([mask_q, mask_fp], axis=-1)[:, None, None]  # [B,1,1,T,S+R+T]
+    def attend(self, q, view):
+        keys_q, vals_q = self.decode(view.records, view.kv_pos)
+        fp = view.extra
+        # Codes: every stored position at distance >= residual from the query.
+        far = (view.q_pos[:, :, None] - view.kv_pos[:, None, :]) >= self.residual
+        mask_q = view.mask() & far
+        # Full precision: ring + chunk at distance < residual.
+        near = (view.q_pos[:, :, None] - fp["fp_pos"][:, None, :]) < self.residual
+        mask_fp = attention_mask(view.q_pos, fp["fp_pos"], fp["fp_valid"], view.window) & near
+        keys = jnp.concatenate([keys_q, fp["fp_k"].astype(jnp.float32)], axis=1)
+        vals = jnp.concatenate([vals_q, fp["fp_v"].astype(jnp.float32)], axis=1)
+        mask = jnp.concatenate([mask_q, mask_fp], axis=-1)[:, None, None]  # [B,1,1,T,S']
         w = masked_softmax_weights(gqa_scores(q, keys), mask)
-        hq, d = q.shape[2], q.shape[3]
-        out = jnp.einsum("bkgts,bskd->btkgd", w, vals).reshape(b, t, hq, d)
-        state = self._write_ring(state, k_fp, v_fp, q_pos, n_new)
-        return out.astype(q.dtype), state
+        b, t, hq, d = q.shape
+        return jnp.einsum("bkgts,bskd->btkgd", w, vals).reshape(b, t, hq, d)
 
     def describe(self):
+        rb = f", rollback={self.rollback}" if self.rollback else ""
         return (f"kivi[{self.bits}b, key_group={self.key_group}, value_group="
-                f"{self.value_group}, residual={self.residual}]")
+                f"{self.value_group}, residual={self.residual}{rb}]")

@@ -200,5 +200,6 @@ def plain_vq(bits: int = 1, **overrides) -> Transform:
     """Plain VQ baseline: k-means on raw post-RoPE K/V, adjacent channel groups, per-head
     codebooks, none of TaSQ's ingredients. Same codec and read path as TaSQ."""
     cfg = TaSQConfig(bits=bits, query_weighting=False, head_normalization=False,
-                     channel_grouping=False, share_codebooks=False, **overrides)
+                     channel_grouping=False, share_codebooks=False,
+                     **{"key_space": "post_rope", **overrides})
     return tasq(cfg, label="vq")

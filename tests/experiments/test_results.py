@@ -143,7 +143,8 @@ def test_gitignore_commits_only_result_files(tmp_path):
 
 def _committed_runs() -> list[Path]:
     files = _git(ROOT, "ls-files", "results").split()
-    return sorted({ROOT / Path(f).parent for f in files})
+    # results/ledger/ is the dev/test protocol's ledger (experiments/protocol.py), not a run
+    return sorted({ROOT / Path(f).parent for f in files} - {ROOT / "results" / "ledger"})
 
 
 def test_committed_runs_carry_provenance():
@@ -156,18 +157,29 @@ def test_committed_runs_carry_provenance():
         assert re.fullmatch(r"[0-9a-f]{40}", payload["git"]["commit"] or ""), run.name
         assert isinstance(payload["git"]["dirty"], bool), run.name
         assert payload["versions"].get("jax"), run.name
-        assert payload["command"].startswith("python -m experiments.run"), run.name
-        assert (run / "table.md").is_file(), run.name
+        assert payload["command"].startswith("python -m experiments."), run.name
+        if payload["command"].startswith("python -m experiments.run"):
+            assert (run / "table.md").is_file(), run.name
+        block = payload.get("protocol")
+        if block and block["split"] == "test":  # counted in the committed ledger
+            ledger = json.loads((ROOT / "results" / "ledger" /
+                                 f"{block['technique']}.json").read_text())
+            entry = ledger["splits"][block["run_name"]]
+            assert entry["defaults_fingerprint"] == block["defaults_fingerprint"], run.name
+            assert 1 <= block["test_scorings"] <= entry["test_scorings"], run.name
 
 
 def test_readme_results_paths_are_committed():
     committed = {p.name for p in _committed_runs()}
     cited = {(readme.relative_to(ROOT), name) for readme in READMES
-             for name in RUN_PATH.findall(readme.read_text())}
+             for name in RUN_PATH.findall(readme.read_text()) if name != "ledger"}
     missing = sorted((str(r), n) for r, n in cited if n not in committed)
     assert not missing, f"READMEs cite results/<run>/ that is not committed: {missing}"
     # the README that cites a run quotes the command's config next to it
     for readme, name in cited:
         command = json.loads((ROOT / "results" / name / "results.json").read_text())["command"]
+        if not command.startswith("python -m experiments.run"):  # a dev sweep script
+            assert command.split()[2] in (ROOT / readme).read_text(), (readme, name)
+            continue
         config = next(a for a in command.split() if a.startswith("--config="))
         assert config[len("--config="):] in (ROOT / readme).read_text(), (readme, name)

@@ -53,6 +53,11 @@ def test_baseline_runs_and_is_reproducible(tmp_path, tiny_gguf):
     assert r["versions"]["jax"] == jax.__version__
     assert r["command"].startswith("python -m experiments.run --config=")  # no local path
     assert len(r["git"]["commit"]) == 40 and isinstance(r["git"]["dirty"], bool)
+    # the dev/test protocol: a test run, counted once in its own workdir's ledger
+    assert r["protocol"]["technique"] == "baseline" and r["protocol"]["split"] == "test"
+    assert r["protocol"]["test_scorings"] == 1
+    ledger = json.loads((tmp_path / "w0" / "ledger" / "baseline.json").read_text())
+    assert ledger["splits"]["baseline_small"]["test_scorings"] == 1
     assert [row["perplexity"] for row in r["rows"]] == [row["perplexity"]
                                                          for row in runs[1]["rows"]]
     assert "| float32 |" in (tmp_path / "w0" / "baseline_small" / "table.md").read_text()

@@ -5,6 +5,7 @@ whose caches hold the codec in the dense layout (the reference), in a window rin
 sliding layer) and in pages of a shared pool (both layers, forks sharing blocks
 copy-on-write). Each layout must give the logits of the same codec in the dense layout;
 the float32 codec must also give the logits of recomputing every sequence from scratch.
+KIVI's per-sequence full-precision ring rides along per row (forks copy the row).
 """
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from research.kv.quantized import Int8Codec
 from research.kv.window import WindowKVCache
 from research.model import forward, init_params, make_model, tiny_config
 from research.tasq.cq import CQCodec
+from research.tasq.kivi import KIVICodec
 from research.tasq.sign import SignCodec, gaussian_projection
 from research.tasq.vq import VQCodec
 
@@ -57,10 +59,12 @@ def _codec(name):
         return CQCodec(jnp.asarray(_books(rng, HKV, 2)), jnp.asarray(_books(rng, HKV, 2)),
                        rope_theta=CONFIG.rope_theta, key_perm=jnp.asarray(_perms(rng)),
                        value_perm=jnp.asarray(_perms(rng)), label="tasq", block=4)
+    if name == "kivi":  # groups of 2 positions (divide the block and the ring), rollback 4
+        return KIVICodec(bits=2, key_group=2, value_group=4, residual=2, rollback=4)
     raise ValueError(name)
 
 
-CODECS = ("f32", "bf16", "int8", "sign", "vq", "tasq_post", "cq", "tasq_pre")
+CODECS = ("f32", "bf16", "int8", "sign", "vq", "tasq_post", "cq", "tasq_pre", "kivi")
 PARAMS = init_params(CONFIG, jax.random.key(0))
 
 
@@ -116,31 +120,33 @@ class RowRunner:
 
 
 class PagedRunner:
-    """Paged layout: sequences in a shared pool, forks share blocks copy-on-write."""
+    """Paged layout: sequences in a shared pool, forks share blocks copy-on-write.
+    Row r of every pass is sequence r (a codec's per-sequence state stays with its row)."""
 
     def __init__(self, model):
-        self.model, self.states = model, model.init_cache(1, MAX_LEN)
+        self.model, self.states = model, model.init_cache(2, MAX_LEN)
         self.manager = BlockManager(24, BLOCK, max_blocks_per_seq=MAX_LEN // BLOCK)
         self.seqs = {0: self.manager.new_sequence()}
 
     def step(self, chunks):
-        rows = sorted(chunks)
-        seqs = [self.seqs[r] for r in rows]
-        lengths = [self.manager.length(s) for s in seqs]
-        copies = self.manager.reserve({s: len(chunks[r]) for s, r in zip(seqs, rows)})
+        rows = sorted(self.seqs)
+        lengths = [self.manager.length(self.seqs[r]) for r in rows]
+        copies = self.manager.reserve({self.seqs[r]: len(chunks[r]) for r in chunks})
         if copies:
             src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
             self.states = paged.copy_blocks(self.states, src, dst)
         states = paged.with_block_tables(
-            self.states, self.manager.block_table(seqs, n_rows=len(rows)))
-        out = _last_logits(self.model, _padded([chunks[r] for r in rows]), states,
-                           jnp.asarray(lengths, jnp.int32),
-                           jnp.asarray([len(chunks[r]) for r in rows], jnp.int32))
+            self.states, self.manager.block_table([self.seqs[r] for r in rows], n_rows=2))
+        pad = [0] * (2 - len(rows))
+        out = _last_logits(self.model, _padded([chunks.get(r, []) for r in rows] + [[]] * len(pad)),
+                           states, jnp.asarray(lengths + pad, jnp.int32),
+                           jnp.asarray([len(chunks.get(r, [])) for r in rows] + pad, jnp.int32))
         self.states = out.cache_states
-        return {r: np.asarray(out.logits[i]) for i, r in enumerate(rows)}
+        return {r: np.asarray(out.logits[r]) for r in chunks}
 
     def fork(self, src, dst):
         self.seqs[dst] = self.manager.fork(self.seqs[src])
+        self.states = paged.copy_seq_rows(self.states, src, dst)
 
     def rollback(self, row, length):
         self.manager.truncate(self.seqs[row], length)
@@ -201,8 +207,8 @@ def test_float32_dense_layout_equals_recomputing_from_scratch():
 
 
 def test_no_transform_silently_discards_another_transforms_cache(tiny):
-    """Documented exceptions (eviction presses, KIVI) and codec-over-codec are refused,
-    naming both the transform and what it would discard."""
+    """Documented exceptions (eviction presses) and codec-over-codec are refused, naming
+    both the transform and what it would discard."""
     from research.eviction import evict
     from research.tasq.baselines import int8_kv, kivi_kv
     from research.model.precision import kv_cache_dtype
@@ -215,7 +221,7 @@ def test_no_transform_silently_discards_another_transforms_cache(tiny):
     with pytest.raises(TypeError, match=r"kv_cache_dtype\(bfloat16\) would discard layer 0's "
                                         r"int8\[per-token\] codec"):
         apply(kv_cache_dtype("bfloat16"), int8)
-    with pytest.raises(TypeError, match=r"kivi_kv would discard layer 0's dense\[int8"):
+    with pytest.raises(TypeError, match=r"kivi_kv would discard layer 0's int8\[per-token\]"):
         apply(kivi_kv(key_group=4, value_group=4, residual=4), int8)
     with pytest.raises(TypeError, match=r"evict would discard layer 0's dense\[int8"):
         apply(evict("snapkv", 0.5), int8)
@@ -224,14 +230,34 @@ def test_no_transform_silently_discards_another_transforms_cache(tiny):
         apply(paged.paged_kv_cache(), pressed)
     with pytest.raises(TypeError, match=r"int8_kv would discard layer 0's evict\["):
         apply(int8_kv(), pressed)
-    kivi = apply(kivi_kv(key_group=4, value_group=4, residual=4), tiny)
-    with pytest.raises(TypeError, match=r"paged_kv_cache would discard layer 1's kivi\["):
-        apply(paged.paged_kv_cache(), kivi.replace(caches=(DenseKVCache(),) + kivi.caches[1:]))
     # a float dtype is raw storage: bf16 over the default, and a codec over pages, compose
     bf16 = apply(kv_cache_dtype("bfloat16"), apply(paged.paged_kv_cache(), tiny))
     assert all(c.describe() == "paged16[bfloat16]" for c in bf16.caches)
     paged_int8 = apply(int8_kv(), apply(paged.paged_kv_cache(), tiny))
     assert all(c.describe() == "paged16[int8[per-token]]" for c in paged_int8.caches)
+    # KIVI is a codec like the others: it keeps the layout, in either order
+    kivi = dict(key_group=4, value_group=4, residual=4)
+    for model in (apply(paged.paged_kv_cache(), apply(kivi_kv(**kivi), tiny)),
+                  apply(kivi_kv(**kivi), apply(paged.paged_kv_cache(), tiny))):
+        assert all(c.describe().startswith("paged16[kivi[2b") for c in model.caches)
+
+
+def test_kivi_layouts_need_aligned_groups_and_the_engine_refuses_its_ring(tiny):
+    """Slot groups must align to key groups; the PagedEngine re-binds rows to sequences
+    every pass, so a codec with per-sequence state is refused there, by name."""
+    from research.specscale.engine import PagedEngine
+    from research.tasq.baselines import kivi_kv
+    from research.transforms import calibrate_and_apply
+
+    codec = KIVICodec(key_group=4, value_group=4, residual=4)
+    with pytest.raises(ValueError, match=r"block_size \(6\) must be a multiple of the "
+                                         r"codec's align \(4"):
+        paged.PagedKVCache(codec, block_size=6)
+    with pytest.raises(ValueError, match=r"window \(6\) must be a multiple"):
+        WindowKVCache(6, codec)
+    kivi = calibrate_and_apply(kivi_kv(key_group=4, value_group=4, residual=4), tiny, None)[0]
+    with pytest.raises(TypeError, match=r"cannot serve layer 0's paged16\[kivi"):
+        PagedEngine(kivi, n_blocks=8, block_size=16, max_len=32)
 
 
 def test_layouts_name_a_bad_codec():

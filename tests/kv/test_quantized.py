@@ -1,4 +1,6 @@
 """Baseline codecs: bit packing, int8, KIVI-style, sign-bit (QJL-like) and CQ-style caches."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from research.kv.base import state_nbytes
 from research.tasq.cq import CQCodec
 from research.kv.dense import DenseKVCache
-from research.tasq.kivi import KIVIKVCache
+from research.tasq.kivi import KIVICodec
 from research.kv.quantized import (Int8Codec, dequantize_uniform, pack_bits,
                                    quantize_uniform, unpack_bits)
 from research.tasq.sign import SignCodec, gaussian_projection
@@ -23,9 +25,15 @@ def _qkv(seed, t):
                  for h in (HQ, HKV, HKV))
 
 
+@functools.partial(jax.jit, static_argnames="window")
+def _jitted(cache, state, q, k, v, start, n_new, window):
+    return cache.update_and_attend(state, q, k, v, start=start, n_new=n_new, window=window)
+
+
 def _run(cache, state, q, k, v, start, n_new, window=None):
-    return jax.jit(lambda c, s, q, k, v, a, n: c.update_and_attend(
-        s, q, k, v, start=a, n_new=n, window=window))(cache, state, q, k, v, start, n_new)
+    """One jitted update (compiled once per cache config and shapes)."""
+    return _jitted(cache, state, q, k, v, jnp.asarray(start, jnp.int32),
+                   jnp.asarray(n_new, jnp.int32), window)
 
 
 def _dense(q, k, v, start, n_new, max_len):
@@ -79,20 +87,21 @@ def _chunked(cache, q, k, v, prefill, max_len):
 
 
 def test_kivi_decode_equals_prefill_and_is_accurate_at_4_bits():
-    cache = KIVIKVCache(bits=4, key_group=4, value_group=8, residual=4)
+    cache = DenseKVCache(KIVICodec(bits=4, key_group=4, value_group=8, residual=4))
     t = 14
     q, k, v = _qkv(1, t)
     whole, st_whole = _run(cache, cache.init(B, 16, HKV, D), q, k, v, jnp.zeros(B, int),
                            jnp.full((B,), t))
     chunked, st = _chunked(cache, q, k, v, 5, 16)
     np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(st["k_codes"][:, :12], st_whole["k_codes"][:, :12])
+    for name in ("k_codes", "k_stats", "v_codes"):  # complete groups: the same records
+        np.testing.assert_array_equal(st[name][:, :12], st_whole[name][:, :12])
     assert _rel(whole, _dense(q, k, v, jnp.zeros(B, int), jnp.full((B,), t), 16)) < 0.1
 
 
 def test_kivi_residual_window_is_full_precision():
     """With residual >= context every read is from the (bf16) full-precision ring."""
-    cache = KIVIKVCache(bits=2, key_group=4, value_group=8, residual=16)
+    cache = DenseKVCache(KIVICodec(bits=2, key_group=4, value_group=8, residual=16))
     q, k, v = _qkv(2, 9)
     start, n_new = jnp.zeros(B, int), jnp.array([9, 7])
     out, _ = _run(cache, cache.init(B, 12, HKV, D), q, k, v, start, n_new)
@@ -101,13 +110,49 @@ def test_kivi_residual_window_is_full_precision():
                                atol=1e-5)
 
 
+def test_kivi_reads_old_positions_from_per_channel_codes():
+    """Past the residual, keys come back from per-channel group codes: the stored stats
+    are each group's per-channel min/max and every dequantised key is within half a step."""
+    codec = KIVICodec(bits=2, key_group=4, value_group=8, residual=4)
+    cache = DenseKVCache(codec)
+    q, k, v = _qkv(4, 12)
+    _, st = _run(cache, cache.init(B, 12, HKV, D), q, k, v, jnp.zeros(B, int),
+                 jnp.full((B,), 12))
+    keys, _ = codec.decode({n: st[n] for n in codec.record_spec(HKV, D)}, None)
+    kb = k.astype(jnp.bfloat16).astype(jnp.float32).reshape(B, 3, 4, HKV, D)
+    lo, hi = kb.min(axis=2), kb.max(axis=2)
+    step = ((hi - lo).astype(jnp.float16).astype(jnp.float32) / 3)[:, :, None]
+    err = jnp.abs(keys.reshape(B, 3, 4, HKV, D) - kb)
+    assert bool(jnp.all(err <= step / 2 + 2e-3 * (1 + jnp.abs(kb))))
+    # a channel with one outlier token keeps the other channels' resolution
+    assert float(jnp.mean(err)) < float(jnp.mean(step))
+
+
+def test_kivi_rollback_deeper_than_its_ring_is_nan_not_wrong():
+    codec = KIVICodec(bits=2, key_group=2, value_group=8, residual=2, rollback=2)
+    cache = DenseKVCache(codec)
+    q, k, v = _qkv(5, 12)
+    run = lambda st, a, n: _run(cache, st, q[:, a:a + n], k[:, a:a + n], v[:, a:a + n],  # noqa
+                                jnp.full((B,), a), jnp.full((B,), n))
+    _, st = run(cache.init(B, 12, HKV, D), 0, 10)
+    ok, _ = run(st, 8, 1)     # rollback of 2 (within `rollback`): exact
+    again, _ = run(cache.init(B, 12, HKV, D), 0, 9)
+    np.testing.assert_allclose(ok, again[:, -1:], rtol=1e-5, atol=1e-5)
+    deep, _ = run(st, 5, 1)   # rollback of 5: the ring no longer holds position 4
+    assert bool(jnp.all(jnp.isnan(deep)))
+
+
 def test_kivi_bad_config():
     with pytest.raises(ValueError, match="residual"):
-        KIVIKVCache(key_group=32, residual=16)
+        KIVICodec(key_group=32, residual=16)
     with pytest.raises(ValueError, match="bits"):
-        KIVIKVCache(bits=3)
+        KIVICodec(bits=3)
     with pytest.raises(ValueError, match="value_group"):
-        KIVIKVCache(value_group=5).init(1, 8, 1, 16)
+        DenseKVCache(KIVICodec(value_group=5)).init(1, 8, 1, 16)
+    with pytest.raises(ValueError, match="rollback"):
+        KIVICodec(rollback=-1)
+    with pytest.raises(TypeError, match="write"):
+        KIVICodec().encode(*_qkv(0, 2)[1:], jnp.zeros((B, 2), int))
 
 
 def test_sign_score_estimator_is_unbiased():

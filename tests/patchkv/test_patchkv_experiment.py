@@ -46,17 +46,26 @@ def test_claims_of_a_retrieval_only_run_score_retrieval_only():
         ("snapkv@10%: PatchKV beats the unpatched press on retrieval", "yes")]
 
 
-def test_dev_contexts_are_disjoint_from_the_small_test_contexts():
-    import numpy as np
-    from experiments.patchkv.dev.sweep import overlaps
-    from research.patchkv import tasks
-    ids = np.arange(12570)  # the held-out split's length in SmolLM2 tokens
-    cc = get_config("small").continuation
-    test = tasks.continuation_tasks(ids, **cc.to_dict())
-    shape = {k: cc[k] for k in ("context_len", "n_continuations", "continuation_len")}
-    dev = tasks.continuation_tasks(ids, n_contexts=2, offset=4096, **shape)
-    assert not overlaps(dev, test)
-    assert overlaps(tasks.continuation_tasks(ids, n_contexts=2, offset=0, **shape), test)
+def test_dev_and_test_contexts_come_from_disjoint_text(tmp_path):
+    from tests.patchkv.test_patchkv_tasks import CharTokenizer
+    tok, config = CharTokenizer(), get_config("small")
+    texts = {}
+    for split in ("dev", "test"):
+        config.split = split
+        ids, token_range, _, name = ex.evaluation_ids(tok, config)
+        assert token_range is None and split in name
+        texts[split] = "".join(map(chr, ids))
+    assert texts["dev"] and texts["test"] and texts["dev"][:500] not in texts["test"]
+    path = tmp_path / "other.txt"
+    path.write_text("".join(chr(97 + i % 26) for i in range(1000)))
+    config.text_path = str(path)
+    halves = {}
+    for split in ("dev", "test"):
+        config.split = split
+        ids, token_range, n, name = ex.evaluation_ids(tok, config)
+        assert name == str(path) and n == 1000 and len(ids) == 500
+        halves[split] = token_range
+    assert halves == {"dev": (0, 500), "test": (500, 1000)}
 
 
 def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
@@ -72,7 +81,7 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     mc = tiny_config(vocab_size=97, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96)
     model = make_model(mc, init_params(mc, jax.random.key(0)))
     other = CalibrationData.from_ids(np.random.default_rng(0).integers(0, 97, 4 * 64), 64, 4)
-    quantizer = tasq(TaSQConfig(kmeans_iters=3, max_points=256))
+    quantizer = tasq(TaSQConfig(kmeans_iters=3, max_points=256, key_space="post_rope"))
     quantizers = {"tasq-1bit": frozen(quantizer, quantizer.calibrate(model, other))}
     ids = np.asarray(jax.random.randint(jax.random.key(1), (400,), 0, 97))
     task = tasks.continuation_tasks(ids, n_contexts=1, context_len=96, n_continuations=3,
@@ -87,11 +96,24 @@ def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
                        ProbeConfig(n_generated=8, length=12), RidgeConfig(), quantizers,
                        records, bar, index=3)
     methods = [(r["compression"], r["method"]) for r in records]
-    assert methods == [("full", "full")] + [("snapkv", ex.method_name(m))
-                                            for m in config.methods] + [
-        ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"), ("snapkv", "patchkv[rank64]"),
-        ("snapkv", "patchkv[no_strength]"), ("snapkv", "patchkv[no_ffn]")]
-    records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"],
+    press_rows = [("snapkv", n) for m in map(ex.method_name, config.methods)
+                  for n in ((m, m + "@bf16") if m.endswith("patchkv") else (m,))]
+    assert methods == [("full", "full")] + press_rows + [
+        ("tasq-1bit", "none"), ("tasq-1bit", "patchkv"),
+        ("snapkv", "patchkv[rank64]"), ("snapkv", "patchkv[no_strength]"),
+        ("snapkv", "patchkv[no_ffn]")]
+    # bytes of real arrays: the bf16-stored patch is half the f32 one; totals add up
+    by = {r["method"]: r for r in records if r["compression"] == "snapkv"}
+    full = records[0]
+    assert full["kv_bytes"] > by["none"]["kv_bytes"] > 0
+    assert by["none"]["kv_bytes_bf16"] < by["none"]["kv_bytes"]
+    if by["patchkv"]["patch_bytes"]:
+        assert by["patchkv@bf16"]["patch_bytes"] * 2 == by["patchkv"]["patch_bytes"]
+        even = ex.break_even([dict(r, context=0) for r in records])
+        assert {e["storage"] for e in even} == {"f32", "bf16"}
+        assert all(e["vs_full"] > 0 for e in even)
+    records, tasq_rows = ([r for r in records if r["compression"] != "tasq-1bit"
+                           and not r["method"].endswith("@bf16")],
                           [r for r in records if r["compression"] == "tasq-1bit"])
     # quantised caches: the W_q scale competes (eviction: none), budget = KV byte fraction
     assert min(abs(tasq_rows[1]["query_scale"] - t)

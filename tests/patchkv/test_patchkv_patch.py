@@ -300,10 +300,13 @@ def test_reduced_rank_patch_is_low_rank_stored_as_factors_and_still_helps(model,
     assert fitted and all(f.rank in config.ranks for f in fitted), state.fits
     expected_bytes = 0
     for f in fitted:
-        d = np.asarray(state.deltas[f.layer])
-        full_rank = min(d.shape)
-        assert np.linalg.matrix_rank(d, tol=1e-5 * np.abs(d).max()) == (f.rank or full_rank)
-        expected_bytes += (f.rank * sum(d.shape) if f.rank else d.size) * 4
+        stored = state.deltas[f.layer]
+        assert isinstance(stored, patch.LowRank) and stored.rank == f.rank
+        assert stored.left.shape == (stored.shape[0], f.rank)
+        assert stored.right.shape == (f.rank, stored.shape[1])
+        d = np.asarray(patch.dense(stored))
+        assert np.linalg.matrix_rank(d, tol=1e-5 * np.abs(d).max()) == f.rank
+        expected_bytes += (f.rank * sum(d.shape)) * 4
     assert patch.patch_nbytes(state) == expected_bytes
     before, after = _attention_error(model, compressed, patch.apply_patch(compressed, state),
                                      context, queries)

@@ -136,6 +136,11 @@ def test_reduced_rank_matches_definition_and_its_held_out_error():
     assert np.linalg.matrix_rank(fit.delta, tol=1e-8) == fit.rank
     np.testing.assert_allclose(fit.delta, _reduced_rank_direct(x, y, fit.lam, fit.rank),
                                rtol=1e-7, atol=1e-9)
+    # the two factors a server stores: [d, r] and [r, q], their product the delta
+    left, right = fit.factors
+    assert left.shape == (14, fit.rank) and right.shape == (fit.rank, 10)
+    np.testing.assert_allclose(left @ right, fit.delta, rtol=1e-10, atol=1e-12)
+    assert ridge.fit_ridge(x, y, holdout, ridge.RidgeConfig(allow_zero=False)).factors is None
     # the held-out error the selection reports is the error of that (alpha, rank) fitted
     # on the fit rows alone
     e = ridge.gram_eig(x[~holdout], y[~holdout])

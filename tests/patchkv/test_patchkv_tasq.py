@@ -24,7 +24,7 @@ def test_patch_on_top_of_tasq_reduces_attention_error():
     queries = np.asarray(jax.random.randint(jax.random.key(9), (4, 12), 0, 97), np.int32)
     data = CalibrationData(jnp.asarray(context[None]), jnp.asarray([N_CTX]))
     other = CalibrationData.from_ids(np.random.default_rng(0).integers(0, 97, 4 * 64), 64, 4)
-    quantizer = tasq(TaSQConfig(kmeans_iters=3, max_points=256))
+    quantizer = tasq(TaSQConfig(kmeans_iters=3, max_points=256, key_space="post_rope"))
     quantizer = frozen(quantizer, quantizer.calibrate(model, other))
     probes = ProbeConfig(n_generated=4, n_repeat=4, length=16, seed=0)
     patched, (tasq_state, patch_state) = calibrate_and_apply(

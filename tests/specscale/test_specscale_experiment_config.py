@@ -13,10 +13,18 @@ def test_methods_are_the_baselines_then_specscale_and_its_ablations(arg):
                               "specscale 2x4"]
     spec = cfgs["specscale 2x4"]
     assert spec.dedup and spec.defer == 1 and spec.reject_below is None
-    deferred = cfgs["specscale 2x4 +defer"]  # deferral comes with rollback of rejections
-    assert deferred.defer == 2 and deferred.reject_below is not None
+    assert spec.process and spec.process_prune
+    # every verifier-guided method uses the process verifier; the single samples do not
+    assert cfgs["beam 2x4"].process and cfgs["best-of-8"].process
+    assert not cfgs["greedy"].process and not cfgs["single sample"].process
+    if arg == "full":
+        assert not cfgs["specscale 2x4 -process_prune"].process_prune
+        deferred = cfgs["specscale 2x4 +defer"]  # deferral comes with rollback
+        assert deferred.defer == 2 and deferred.reject_below is not None
     assert len(cfgs) == 5 + len(c.ablations)
-    assert c.warmup_pass
+    assert c.warmup_pass and c.split == "test"
+    assert config_module.get_config("dev").split == "dev"
+    assert c.limits.max_lines == c.task.n_steps + 1
 
 
 def test_unknown_ablation_is_an_error():
@@ -24,5 +32,5 @@ def test_unknown_ablation_is_an_error():
     c.ablations = ("+warp",)
     with pytest.raises(ValueError, match="unknown ablation '\\+warp'"):
         X.methods(c)
-    with pytest.raises(ValueError, match="'small' or 'full'"):
+    with pytest.raises(ValueError, match="'small', 'full' or 'dev'"):
         config_module.get_config("tiny")

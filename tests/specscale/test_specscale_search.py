@@ -31,16 +31,6 @@ def _run(ctx, problems, cfg):
     return result
 
 
-def test_specscale_with_every_switch_off_is_beam_search(ctx, problems):
-    beam = _run(ctx, problems, S.beam_search(2, 2, **LIMITS))
-    off = _run(ctx, problems, S.specscale(2, 2, defer=1, reject_below=None, prune_margin=None,
-                                          prune_token_logp=None, dedup=False, **LIMITS))
-    assert [p.text for p in beam.problems] == [p.text for p in off.problems]
-    assert [p.score for p in beam.problems] == pytest.approx([p.score for p in off.problems])
-    for key in ("generated_tokens", "verifier_judgements", "forward_calls"):
-        assert beam.stats[key] == off.stats[key], key
-
-
 def test_ingredients_only_remove_work(ctx, problems):
     beam = _run(ctx, problems, S.beam_search(2, 3, **LIMITS))
     pruned = _run(ctx, problems, S.specscale(2, 3, defer=1, reject_below=None,
@@ -99,7 +89,42 @@ def test_no_sharing_baseline_uses_more_blocks(char_model, char_tokenizer, proble
     assert peaks[True][0] * 2 < peaks[False][0]
 
 
+def test_process_checks_rank_correct_paths_first(ctx, problems):
+    """A path with a failed process check ranks below every path without one, whatever
+    their likelihoods; beam search keeps the checked paths."""
+    searcher = S._Searcher(ctx, S.beam_search(2, 2, process=True, **LIMITS), 0, problems)
+    searcher._drop = lambda c: setattr(c, "alive", False)
+
+    def cand(score, ok, rank):
+        return S.Candidate(slot=0, gen=-1, ver=-1, ver_scores=[score], checks=[ok],
+                           paths=[(rank, np.array([rank, 1], np.uint32))])
+
+    likely_wrong, unlikely_right, right = cand(-0.1, False, 0), cand(-5.0, True, 1), \
+        cand(-3.0, True, 2)
+    assert likely_wrong.score == pytest.approx(-0.1 - S.PROCESS_PENALTY)
+    live = searcher._select([likely_wrong, unlikely_right, right], {0: []})
+    assert live[0] == [right, unlikely_right] and not likely_wrong.alive
+
+
+def test_process_prune_drops_failing_lines_before_verification(ctx, problems):
+    """The random model's lines all fail the exact check: process pruning drops them the
+    moment they close (keeping one per problem), so far fewer lines reach the likelihood
+    verifier, and every problem still ends with a path."""
+    kw = dict(prune_margin=None, prune_token_logp=None, dedup=False, **LIMITS)
+    plain = _run(ctx, problems, S.specscale(2, 3, process=True, process_prune=False, **kw))
+    pruned = _run(ctx, problems, S.specscale(2, 3, process=True, process_prune=True, **kw))
+    assert pruned.stats["verifier_judgements"] < plain.stats["verifier_judgements"]
+    assert pruned.stats["process_checks"] > 0
+    assert all(p.text for p in pruned.problems)
+
+
 def test_config_validation():
+    with pytest.raises(ValueError, match="process_prune needs process=True"):
+        S.specscale(2, 2, process=False, process_prune=True)
+    with pytest.raises(ValueError, match="plain beam search"):
+        S.SearchConfig(method="beam", process=True, process_prune=True)
+    with pytest.raises(ValueError, match="uses no verifier"):
+        S.SearchConfig(method="single", process=True)
     with pytest.raises(ValueError, match="method"):
         S.SearchConfig(method="mcts")
     with pytest.raises(ValueError, match="beam_width"):
@@ -155,7 +180,8 @@ def test_dedup_alone_makes_beam_search_decisions_at_less_cost(char_model, char_t
     beam = S.run_search(ctx, problems, S.beam_search(width, expand, **LIMITS), seed=5)
     dedup = S.run_search(ctx, problems, S.specscale(width, expand, reject_below=None,
                                                     prune_margin=None, prune_token_logp=None,
-                                                    dedup=True, **LIMITS), seed=5)
+                                                    dedup=True, process=False,
+                                                    process_prune=False, **LIMITS), seed=5)
     assert [p.text for p in beam.problems] == [p.text for p in dedup.problems]
     assert [p.score for p in beam.problems] == pytest.approx(
         [p.score for p in dedup.problems], abs=1e-5)
@@ -177,7 +203,7 @@ def test_specscale_serves_a_tasq_1bit_model_from_pages_of_codes(char_model, char
     from research.transforms import CalibrationData, calibrate_and_apply
     rng = np.random.default_rng(0)
     cal = CalibrationData.from_ids(rng.integers(32, 127, 256), 64, 4)
-    cfg = TaSQConfig(bits=1, kmeans_iters=2, max_points=256)
+    cfg = TaSQConfig(bits=1, kmeans_iters=2, max_points=256, key_space="post_rope")
     model, _ = calibrate_and_apply(tasq(cfg), char_model, cal)
     f32 = PagedEngine(char_model, n_blocks=400, block_size=8, max_len=512)
     eng = PagedEngine(model, n_blocks=400, block_size=8, max_len=512, temperature=0.0)

@@ -1,7 +1,8 @@
 """Arithmetic-chain task suite: seeded, checkable, step-structured."""
 import pytest
 
-from research.specscale.tasks import ArithmeticChains, Problem
+from research.core.splits import check_disjoint
+from research.specscale.tasks import ArithmeticChains, Problem, parse_problem, problem_key
 
 
 def test_problems_are_seeded_and_valid():
@@ -61,3 +62,25 @@ def test_bad_configuration_is_rejected():
         ArithmeticChains(n_shots=-1)
     with pytest.raises(ValueError, match="n must be"):
         ArithmeticChains().problems(0, seed=0)
+
+
+def test_dev_and_test_problems_are_disjoint_by_construction():
+    # a small problem space: unsplit, the dev seed and the test seed share problems
+    t = ArithmeticChains(n_steps=1, start_range=(2, 6), operand_range=(1, 3))
+    raw_dev, raw_test = t.problems(30, seed=1000), t.problems(30, seed=0)
+    assert set(map(problem_key, raw_dev)) & set(map(problem_key, raw_test))
+    dev, test = t.problems(8, seed=1000, split="dev"), t.problems(8, seed=0, split="test")
+    assert not set(map(problem_key, dev)) & set(map(problem_key, test))
+    check_disjoint(dev, test, what="problems", key=problem_key)
+    assert [p.uid for p in test] == list(range(8))
+    assert t.problems(8, seed=0, split="test") == test  # seeded
+    with pytest.raises(ValueError, match="requested 'test' items"):
+        t.problems(500, seed=0, split="test")  # more than the space holds
+
+
+def test_problem_text_parses_back():
+    t = ArithmeticChains(n_steps=4, start_range=(10, 99), operand_range=(10, 99))
+    for p in t.problems(10, seed=3):
+        assert parse_problem(p.text) == (p.start, p.ops)
+    with pytest.raises(ValueError, match="not an arithmetic-chain problem"):
+        parse_problem("Problem: Start with x.")

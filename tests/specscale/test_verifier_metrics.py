@@ -48,3 +48,30 @@ def test_step_auroc():
     assert step_auroc([3, 2, 1, 0], [True, True, False, False]) == 1.0
     assert step_auroc([0, 1], [True, False]) == 0.0
     assert np.isnan(step_auroc([1, 2], [True, True]))
+
+
+def test_process_verifier_checks_each_line_exactly():
+    from research.specscale.tasks import ArithmeticChains, Problem
+    from research.specscale.verifier import ProcessVerifier
+    t = ArithmeticChains()
+    v = ProcessVerifier(t)
+    p = Problem(uid=0, start=47, ops=(("+", 38), ("-", 29)))
+    assert v.check(p, ["47 + 38 = 85\n", "85 - 29 = 56\n", "Answer: 56\n"]) == [True] * 3
+    assert v.check(p, ["47 + 38 = 85", "85 - 29 = 56", "Answer: 56"], first=2) == [True]
+    assert v.check(p, ["47 + 38 = 75\n", "75 - 29 = 46\n"]) == [False, False]  # carry
+    assert v.check(p, ["47 + 39 = 86\n"]) == [False]  # wrong operand
+    assert v.check(p, ["47 + 38 = 85\n", "84 - 29 = 55\n"]) == [True, False]  # wrong a
+    assert v.check(p, ["47 + 38 = 85\n", "Answer: 85\n"]) == [True, False]  # too early
+    assert v.check(p, ["47 + 38 = 85\n", "85 - 29 = 56\n", "Answer: 57\n"])[-1] is False
+    assert v.check(p, ["garbage\n"]) == [False]
+    assert v.stats.calls == 3 + 1 + 2 + 1 + 2 + 2 + 3 + 1
+    assert v.stats.forward_calls == 0 and v.stats.tokens == 0  # no model call
+    with pytest.raises(ValueError, match="first must be in"):
+        v.check(p, ["x"], first=2)
+    # it agrees with the task's ground-truth checker on sampled-looking paths
+    for q in ArithmeticChains(n_steps=3, start_range=(10, 99),
+                              operand_range=(10, 99)).problems(20, seed=1):
+        lines = q.solution().splitlines()
+        lines[1] = lines[1].replace("=", "= 1")
+        assert v.check(q, lines) == [t.step_is_correct(q, lines, k)
+                                     for k in range(len(lines))]

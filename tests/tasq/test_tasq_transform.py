@@ -19,7 +19,8 @@ from research.tasq.metrics import (attention_output_error, bits_per_channel,
 from research.transforms import CalibrationData, calibrate_and_apply
 
 # head_dim 16 -> two 8-channel groups at 1 bit; few k-means points keep this fast
-CFG = TaSQConfig(kmeans_iters=3, max_points=256, share_codebooks=True)
+# post-RoPE keys (the lookup-table codec) pinned: TaSQ's default key space is chosen on dev
+CFG = TaSQConfig(kmeans_iters=3, max_points=256, share_codebooks=True, key_space="post_rope")
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def main(argv=None):
     ap.add_argument("--seed-offset", type=int, default=1000)
     ap.add_argument("--compressions", default=DEFAULT_COMPRESSIONS)
     args = ap.parse_args(argv)
-    config, model, tok, heldout = load_small()
+    config, model, tok, dev_ids = load_small()
     r = config.retrieval
     stops = default_stop_tokens(tok)
     prefix = reply_prefix(tok)
@@ -85,7 +85,7 @@ def main(argv=None):
     totals, asked = collections.Counter(), collections.Counter()
     log_probs = collections.defaultdict(list)
     for ci in range(args.contexts):
-        task = retrieval_task(tok, heldout, n_facts=r.n_facts, context_len=r.context_len,
+        task = retrieval_task(tok, dev_ids, n_facts=r.n_facts, context_len=r.context_len,
                                     seed=args.seed_offset + ci)
         length, rows = len(task.context), answer_rows(tok, task)
 

@@ -1,0 +1,740 @@
+"""Continuous-batching serving engine over the paged KV pool (JetStream / MaxEngine shape).
+
+    engine = ServingEngine(model, tokenizer, n_blocks=512, block_size=16, max_batch=8,
+                           max_len=1024, token_budget=256, max_queue=64)
+    engine.add_request(Request("r1", tuple(tokenizer.encode("Hi")), SamplingParams()))
+    while engine.has_work():
+        for event in engine.step():          # TokenEvent: id, text increment, finish
+            ...
+
+The MaxEngine-shaped primitives are the same code the scheduler runs:
+  prefill(request) -> Prefix       whole prompt (chunked, prefix-cache aware), first token
+  insert(prefix, slot)             the request joins decode slot `slot`
+  generate(state) -> (state, toks) one decode step for every live slot
+`step()` = admit queued requests into free slots, one `generate` for the decode slots,
+then chunks of prefill (`prefill_chunk` tokens per row) with what is left of the step's
+`token_budget`; a request whose prefill completes is `insert`ed and decodes next step.
+
+Lifecycle: queued -> prefilling -> decoding -> finished (stop / length) or aborted; a
+request is *preempted* (blocks freed, tokens kept, back to the queue front, recomputed
+later: preemption by recompute) when the decode batch needs KV blocks the pool does not
+have. Requests are never failed for lack of blocks; one request always fits the pool.
+
+Tokens: each request's token at position p is drawn with a key derived from
+(seed, p) only, so the same seed gives the same tokens whatever else is in the batch and
+after a preemption. Greedy requests can decode speculatively (`speculative=k`):
+prompt-lookup drafts of up to k tokens are verified in one forward; rejected ones are
+rolled back by truncating the sequence's length and block table.
+
+Shapes come from fixed buckets (decode [max_batch, 1], speculative [max_batch, k+1],
+prefill [r, prefill_chunk] for r in powers of two up to `max_prefill_rows`, block tables
+always `ceil(max_len / block_size)` wide), all compiled by `warmup()`: no compiles while
+serving (`metrics().compiles` counts XLA backend compiles since warm-up).
+
+Prefix cache (`prefix_cache=True`, research/kv/prefix_cache.py): full blocks are named by
+a chain hash of their token prefix; a new request adopts the longest cached run of its
+prompt's blocks (reference counted; the last prompt token is always recomputed, copying a
+shared partial block on write); unreferenced cached blocks are evicted LRU when the free
+list runs short.
+
+What the engine does not do yet:
+- Sharding is tensor (and expert) parallel only (`mesh=`: params and the pool's KV heads
+  split, research/sharding); rows are not split over a data axis, since any row may map
+  any block of the one pool (run one engine per data-parallel replica).
+- Speculative decoding only for greedy requests (sampled requests decode one token per
+  step beside them) and only with prompt-lookup drafts; no draft model.
+- The decode step and the prefill chunks are two forward calls per step (not one fused
+  ragged batch), and each step waits for its tokens (no host/device overlap).
+- No NaN/inf check while serving (`generate()` has one; here a non-finite row would
+  sample garbage rather than fail).
+- No priorities or fairness beyond first-come-first-served admission and
+  latest-admitted-first preemption; no swapping to host memory (recompute only).
+- No logprobs, n > 1, presence/frequency penalties or beam search.
+- Stop strings are matched on the detokenized text of the generated tokens only (not
+  across the prompt boundary).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from research.kv import paged
+from research.kv.block_allocator import OutOfBlocksError
+from research.model.llama import Model, forward
+from research.serving.api import (EngineMetrics, QueueFullError, Request, RequestError,
+                                  SamplingParams, TokenEvent)
+from research.serving.paged_pool import PagedPool, pow2
+from research.serving.sampling import sample_per_row
+
+QUEUED, PREFILLING, DECODING, FINISHED, ABORTED, PREEMPTED = (
+    "queued", "prefilling", "decoding", "finished", "aborted", "preempted")
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = [0]
+_listening = [False]
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    if event == _COMPILE_EVENT:
+        _compiles[0] += 1
+
+
+def compile_count() -> int:
+    """XLA backend compiles in this process since the first engine was built."""
+    if not _listening[0]:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listening[0] = True
+    return _compiles[0]
+
+
+def token_key(seed: int, position: int) -> np.ndarray:
+    """Key data (2 x uint32) for the token at `position` of a request seeded `seed`."""
+    return np.random.SeedSequence([int(seed) % (1 << 64), int(position)]).generate_state(
+        2, np.uint32)
+
+
+def prompt_lookup_draft(tokens: Sequence[int], k: int, max_ngram: int = 3,
+                        min_ngram: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+    n-gram (max_ngram..min_ngram) of `tokens` (host twin of specdecode's prompt_lookup)."""
+    arr = np.asarray(tokens, np.int64)
+    n = len(arr)
+    if k < 1:
+        return []
+    for g in range(max_ngram, min_ngram - 1, -1):
+        if g >= n:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:n - 1], g)
+        hits = np.nonzero((windows == arr[n - g:]).all(axis=1))[0]
+        if hits.size:
+            cont = int(hits[-1]) + g
+            return arr[cont:cont + k].tolist()
+    return []
+
+
+class TextStream:
+    """Detokenized increments of a growing token list, with stop strings.
+
+    Text is released only when it is final: never a trailing U+FFFD of an incomplete
+    multi-byte character, never a tail that could still become a stop string.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.ids: list[int] = []
+        self.n_emitted = 0  # characters released
+        self._text = ""
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Add a token; returns (new final text, True if a stop string completed)."""
+        self.ids.append(int(token))
+        text = self._text = self.tokenizer.decode(self.ids, skip_special=True)
+        hits = [i for i in (text.find(s, self.n_emitted) for s in self.stops) if i >= 0]
+        if hits:
+            return self._release(min(hits)), True
+        safe = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character waits
+        hold = 0
+        for s in self.stops:  # a tail that may still become a stop string waits
+            for k in range(min(len(s) - 1, safe - self.n_emitted), hold, -1):
+                if text[safe - k:safe] == s[:k]:
+                    hold = k
+                    break
+        return self._release(safe - hold), False
+
+    def flush(self) -> str:
+        """Everything not yet released (the request ended without a stop string)."""
+        return self._release(len(self._text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.n_emitted:
+            return ""
+        out = self._text[self.n_emitted:end]
+        self.n_emitted = end
+        return out
+
+
+@dataclasses.dataclass
+class _Req:
+    request: Request
+    tokens: list[int]  # prompt + generated; KV computed for the first `computed`
+    n_prompt: int
+    text: TextStream
+    stop_ids: frozenset
+    state: str = QUEUED
+    seq: int | None = None
+    slot: int | None = None
+    n_generated: int = 0
+    n_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
+    admitted: int = -1  # admission order (preemption picks the latest)
+    cached_blocks: int = 0  # full blocks already named in the prefix cache
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A prefilled request, ready to `insert` (its first token is already generated)."""
+
+    request_id: str
+    n_computed: int  # tokens whose KV is in the pool
+    n_cached: int  # of them, served from the prefix cache
+    first_token: int | None  # None when the request ended at its first token
+    finished: bool
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """Host view of the decode batch: the request id in each slot (None = free). The
+    device state (model and KV pools) lives in the engine's `pool`."""
+
+    slots: list
+    steps: int = 0
+
+
+@dataclasses.dataclass
+class SpecStats:
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Scheduler counters: tokens computed per `step()` (decode + prefill chunks)."""
+
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    max_step_tokens: int = 0
+    mixed_steps: int = 0  # steps that ran prefill chunks beside a decode batch
+
+
+class ServingEngine:
+    """Continuous batching over one `PagedPool` (see the module docstring).
+
+    model: any servax Model with codec caches (f32/bf16/int8/TaSQ/..., any weight
+      transform); its caches are paged into one pool of `n_blocks` x `block_size`.
+    tokenizer: encode/decode(ids, skip_special=)/eos_id/token_to_id (stop ids default to
+      EOS and <|im_end|> when the vocabulary has it).
+    max_batch: decode slots; max_len: prompt + max_new_tokens per request.
+    token_budget: tokens per step (decode tokens first, prefill chunks with the rest).
+    prefill_chunk: tokens per prefill row per step (the prefill chunk shape).
+    max_prefill_rows: prefill rows per step (default min(max_batch, budget // chunk)).
+    max_queue: queued requests before add_request raises QueueFullError.
+    speculative: prompt-lookup draft tokens per greedy decode step (0 = off).
+    mesh / rules: serve from sharded state on a `jax.sharding.Mesh` (see `PagedPool`:
+      tensor / expert parallel; `research.sharding.make_mesh(tensor=...)`).
+    """
+
+    def __init__(self, model: Model, tokenizer, *, n_blocks: int = 256, block_size: int = 16,
+                 max_batch: int = 8, max_len: int = 512, token_budget: int = 256,
+                 prefill_chunk: int = 64, max_prefill_rows: int | None = None,
+                 max_queue: int = 64, prefix_cache: bool = True, speculative: int = 0,
+                 max_ngram: int = 3, stop_token_ids: Sequence[int] | None = None,
+                 implementation: str = "auto", interpret: bool = False, warmup: bool = True,
+                 mesh=None, rules=None):
+        for name, value in (("max_batch", max_batch), ("token_budget", token_budget),
+                            ("prefill_chunk", prefill_chunk), ("max_queue", max_queue),
+                            ("max_ngram", max_ngram)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(speculative, int) and speculative >= 0):
+            raise ValueError(f"speculative must be an integer >= 0, got {speculative!r}")
+        if token_budget < max_batch:
+            raise ValueError(f"token_budget={token_budget} must cover one decode token per "
+                             f"slot (max_batch={max_batch})")
+        if n_blocks < -(-max_len // block_size) + 1:
+            raise ValueError(f"n_blocks={n_blocks} cannot hold one request of max_len="
+                             f"{max_len} plus one copy-on-write block: need at least "
+                             f"{-(-max_len // block_size) + 1} blocks of {block_size}")
+        self.pool = PagedPool(model, n_blocks=n_blocks, block_size=block_size,
+                              max_len=max_len, implementation=implementation,
+                              interpret=interpret, prefix_cache=prefix_cache, mesh=mesh,
+                              rules=rules)
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.max_batch, self.max_len = max_batch, max_len
+        self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
+        self.max_prefill_rows = max_prefill_rows or max(1, min(max_batch,
+                                                               token_budget // prefill_chunk))
+        if not 1 <= self.max_prefill_rows <= max_batch:
+            raise ValueError(f"max_prefill_rows must be in [1, {max_batch}], got "
+                             f"{max_prefill_rows}")
+        self.max_queue, self.speculative, self.max_ngram = max_queue, speculative, max_ngram
+        if stop_token_ids is None:
+            ids = {getattr(tokenizer, "eos_id", None), tokenizer.token_to_id("<|im_end|>")}
+            stop_token_ids = sorted(i for i in ids if i is not None)
+        self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
+        self.state = DecodeState([None] * max_batch)
+        self.spec_stats = SpecStats()
+        self.step_stats = StepStats()
+        self._last_decode_tokens = 0
+        self._queue: collections.deque[_Req] = collections.deque()
+        self._live: dict[str, _Req] = {}  # every request holding blocks or a slot
+        self._events: list[TokenEvent] = []
+        self._admissions = 0
+        self._preemptions = 0
+        self._compiles0 = compile_count()
+        if warmup:
+            self.warmup()
+
+    # -- driver (vLLM-style loop) -----------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; RequestError (field named) if it cannot be served,
+        QueueFullError when `max_queue` requests already wait."""
+        req = self._validated(request)
+        if len(self._queue) >= self.max_queue:
+            raise QueueFullError(f"{len(self._queue)} requests already queued "
+                                 f"(max_queue={self.max_queue})")
+        self._queue.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """End a queued or running request (its blocks freed); unknown ids are ignored."""
+        for req in self._queue:
+            if req.rid == request_id:
+                self._queue.remove(req)
+                self._end(req, ABORTED, None, "", "abort")
+                return
+        req = self._live.get(request_id)
+        if req is not None:
+            self._end(req, ABORTED, None, "", "abort")
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._live or self._events)
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler iteration: admit, one decode step, prefill chunks."""
+        self._admit()
+        used = 0
+        if any(self._slot_req(s) is not None and self._slot_req(s).state == DECODING
+               for s in range(self.max_batch)):
+            used = self._decode(self.token_budget)
+        prefilled = self._prefill_chunks(self.token_budget - used)
+        st = self.step_stats
+        st.steps += 1
+        st.decode_tokens += used
+        st.prefill_tokens += prefilled
+        st.max_step_tokens = max(st.max_step_tokens, used + prefilled)
+        st.mixed_steps += bool(used and prefilled)
+        events, self._events = self._events, []
+        return events
+
+    def metrics(self) -> EngineMetrics:
+        pc = self.pool.prefix_cache
+        return EngineMetrics(
+            queue_length=len(self._queue),
+            running=sum(r.state in (PREFILLING, DECODING) for r in self._live.values()),
+            kv_blocks_used=self.pool.blocks_in_use(), kv_blocks_total=self.pool.n_blocks,
+            prefix_cache_hits=pc.hits if pc else 0, prefix_cache_queries=pc.queries if pc else 0,
+            preemptions=self._preemptions, compiles=compile_count() - self._compiles0)
+
+    # -- MaxEngine-shaped primitives --------------------------------------------------
+    def prefill(self, request: Request) -> Prefix:
+        """Validate `request`, compute its whole prompt's KV (prefix-cache aware, in
+        `prefill_chunk` pieces) and generate its first token. Its events go to the next
+        `step()` / `drain_events()`."""
+        req = self._validated(request)
+        self._start(req, slot=None)
+        while True:
+            pending = len(req.tokens) - self.pool.manager.length(req.seq)
+            n = min(self.prefill_chunk, pending)
+            try:
+                self.pool.reserve({req.seq: n})
+            except OutOfBlocksError:
+                victims = [r for r in self._live.values() if r is not req and r.seq is not None]
+                if not victims:
+                    raise
+                self._preempt(max(victims, key=lambda r: r.admitted))
+                continue
+            self._forward_prefill([(req, n)])
+            if n == pending:  # the last chunk: the first token is generated
+                return self._prefix(req)
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        """Put a prefilled request into decode slot `slot` (free, or already its own)."""
+        req = self._live.get(prefix.request_id)
+        if req is None or req.state not in (PREFILLING, DECODING) or prefix.finished:
+            raise ValueError(f"request {prefix.request_id!r} is not a live prefilled request")
+        if not 0 <= slot < self.max_batch:
+            raise ValueError(f"slot must be in [0, {self.max_batch}), got {slot}")
+        if self.state.slots[slot] not in (None, req.rid):
+            raise ValueError(f"slot {slot} holds request {self.state.slots[slot]!r}")
+        if self.pool.manager.length(req.seq) != len(req.tokens) - 1:
+            raise ValueError(f"request {req.rid!r} is not fully prefilled")
+        if req.slot is not None and req.slot != slot:
+            self.state.slots[req.slot] = None
+        self.state.slots[slot] = req.rid
+        req.slot, req.state = slot, DECODING
+
+    def generate(self, state: DecodeState) -> tuple[DecodeState, list[list[int]]]:
+        """One decode step of every request in a slot: new tokens per slot ([] = idle or
+        preempted), stop and length handled (events queued)."""
+        if state is not self.state:
+            raise ValueError("generate takes the engine's own DecodeState (engine.state)")
+        toks = self._decode_tokens(self.token_budget)
+        return self.state, toks
+
+    def drain_events(self) -> list[TokenEvent]:
+        """Events produced outside `step()` (by direct prefill/insert/generate calls)."""
+        events, self._events = self._events, []
+        return events
+
+    # -- warm-up ----------------------------------------------------------------------
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        shapes = [(self.max_batch, 1)]
+        if self.speculative:
+            shapes.append((self.max_batch, self.speculative + 1))
+        return shapes
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        rows, r = [], 1
+        while r < self.max_prefill_rows:
+            rows.append(r)
+            r *= 2
+        rows.append(self.max_prefill_rows)
+        return [(r, self.prefill_chunk) for r in rows]
+
+    def warmup(self) -> None:
+        """Compile every shape `step()` can use (all-padding batches write nothing)."""
+        shapes = ([(r, t, False) for r, t in self.prefill_shapes()]
+                  + [(r, t, t > 1) for r, t in self.decode_shapes()])
+        for rows, t, verify in shapes:
+            self._run_forward(np.zeros((rows, t), np.int32), np.zeros(rows, np.int32),
+                              np.zeros(rows, np.int32),
+                              np.full((rows, self.pool.max_blocks), -1, np.int32),
+                              [None] * rows, verify=verify)
+        self.pool.warm_copies(pow2(self.max_batch, minimum=8))
+        self._compiles0 = compile_count()
+
+    # -- scheduling -------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Queued requests take free slots while the pool has room for their tokens."""
+        while self._queue:
+            free = [s for s in range(self.max_batch) if self.state.slots[s] is None]
+            if not free:
+                return
+            req = self._queue[0]
+            need = -(-(len(req.tokens) + 1) // self.pool.block_size)
+            if self._live and self.pool.n_available() < need:
+                return
+            self._queue.popleft()
+            self._start(req, slot=free[0])
+
+    def _start(self, req: _Req, slot: int | None) -> None:
+        """Queued/preempted -> prefilling: adopt the cached prefix, reserve the slot."""
+        m = self.pool.manager
+        first = req.state == QUEUED
+        blocks = self.pool.prefix_cache.match(req.tokens) if self.pool.prefix_cache else []
+        n_cached = min(len(blocks) * self.pool.block_size, len(req.tokens) - 1)
+        blocks = blocks[:-(-n_cached // self.pool.block_size)] if n_cached else []
+        req.seq = m.adopt(blocks, n_cached) if blocks else m.new_sequence()
+        req.cached_blocks = n_cached // self.pool.block_size
+        if first:
+            req.n_cached = min(n_cached, req.n_prompt)
+        req.state, req.slot, req.admitted = PREFILLING, slot, self._admissions
+        self._admissions += 1
+        if slot is not None:
+            self.state.slots[slot] = req.rid
+        self._live[req.rid] = req
+
+    def _prefill_chunks(self, budget: int) -> int:
+        """Prefill chunks for prefilling requests (admission order) within `budget`;
+        returns the tokens computed."""
+        rows = []
+        for req in sorted((r for r in self._live.values() if r.state == PREFILLING
+                           and r.slot is not None), key=lambda r: r.admitted):
+            if budget <= 0 or len(rows) == self.max_prefill_rows:
+                break
+            if req.state != PREFILLING:  # preempted earlier in this loop
+                continue
+            n = min(self.prefill_chunk, budget,
+                    len(req.tokens) - self.pool.manager.length(req.seq))
+            try:
+                self.pool.reserve({req.seq: n})
+            except OutOfBlocksError:
+                n = self._partial_room(req, n)
+                if n == 0:
+                    if not rows and not self._any_decoding():
+                        self._preempt_other(req)  # nothing else can make progress
+                    continue
+                self.pool.reserve({req.seq: n})
+            rows.append((req, n))
+            budget -= n
+        if rows:
+            self._forward_prefill(rows)
+        return sum(n for _, n in rows)
+
+    def _partial_room(self, req: _Req, n: int) -> int:
+        """The most tokens of `n` the free list (after eviction) can take now."""
+        room = self.pool.n_available()
+        best = 0
+        for k in range(1, n + 1):
+            if self.pool.manager.fresh_blocks_needed({req.seq: k}) > room:
+                break
+            best = k
+        return best
+
+    def _any_decoding(self) -> bool:
+        return any(r.state == DECODING for r in self._live.values())
+
+    def _preempt_other(self, req: _Req) -> None:
+        victims = [r for r in self._live.values() if r is not req and r.seq is not None]
+        if victims:
+            self._preempt(max(victims, key=lambda r: r.admitted))
+
+    def _preempt(self, req: _Req) -> None:
+        """Preemption by recompute: blocks freed (full ones stay in the prefix cache),
+        tokens kept, back to the front of the queue."""
+        self._release(req)
+        req.state = PREEMPTED
+        self._queue.appendleft(req)
+        self._preemptions += 1
+
+    def _release(self, req: _Req) -> None:
+        if req.seq is not None:
+            self.pool.cache_blocks(req.seq, req.tokens)
+            self.pool.manager.free(req.seq)
+            req.seq = None
+        if req.slot is not None and self.state.slots[req.slot] == req.rid:
+            self.state.slots[req.slot] = None
+        req.slot = None
+        self._live.pop(req.rid, None)
+
+    def _end(self, req: _Req, state: str, token: int | None, text: str, reason: str) -> None:
+        self._release(req)
+        req.state = state
+        self._events.append(TokenEvent(req.rid, token, text, reason, req.n_prompt,
+                                       req.n_cached))
+
+    # -- decode -----------------------------------------------------------------------
+    def _decode(self, budget: int) -> int:
+        """Decode step inside `step()`; returns the tokens it computed."""
+        self._decode_tokens(budget)
+        return self._last_decode_tokens
+
+    def _decode_tokens(self, budget: int) -> list[list[int]]:
+        live = [self._slot_req(s) for s in range(self.max_batch)]
+        live = [r for r in live if r is not None and r.state == DECODING]
+        out: list[list[int]] = [[] for _ in range(self.max_batch)]
+        self._last_decode_tokens = 0
+        if not live:
+            return out
+        drafts = {r.rid: self._draft(r) for r in live}
+        spare = budget - len(live) - self._prefill_demand()  # drafts never starve prefill
+        for r in live:  # drafts only within the step's token budget
+            drafts[r.rid] = drafts[r.rid][:max(0, spare)]
+            spare -= len(drafts[r.rid])
+        while True:
+            try:
+                self.pool.reserve({r.seq: 1 + len(drafts[r.rid]) for r in live})
+                break
+            except OutOfBlocksError:
+                if any(drafts.values()):
+                    drafts = {k: [] for k in drafts}
+                    continue
+                victim = max((r for r in self._live.values() if r.seq is not None),
+                             key=lambda r: r.admitted)
+                self._preempt(victim)
+                live = [r for r in live if r is not victim]
+                if not live:
+                    return out
+        self._last_decode_tokens = sum(1 + len(drafts[r.rid]) for r in live)
+        t = self.speculative + 1 if any(drafts.values()) else 1
+        b, m = self.max_batch, self.pool.manager
+        tokens = np.zeros((b, t), np.int32)
+        start = np.zeros(b, np.int32)
+        n_new = np.zeros(b, np.int32)
+        for r in live:
+            d = drafts[r.rid]
+            tokens[r.slot, :1 + len(d)] = [r.tokens[-1]] + d
+            start[r.slot] = m.length(r.seq) - 1 - len(d)  # reserve advanced the length
+            n_new[r.slot] = 1 + len(d)
+        rows = [None] * b
+        for r in live:
+            rows[r.slot] = r
+        table = self.pool.block_table([], b)
+        for r in live:
+            blocks = m.blocks(r.seq)
+            table[r.slot, :len(blocks)] = blocks
+        sampled, greedy = self._run_forward(tokens, start, n_new, table, rows, verify=t > 1)
+        for r in live:
+            d = drafts[r.rid]
+            if d:
+                g = greedy[r.slot]
+                a = 0
+                while a < len(d) and d[a] == int(g[a]):
+                    a += 1
+                new = d[:a] + [int(g[a])]
+                m.truncate(r.seq, int(start[r.slot]) + a + 1)
+                self.spec_stats.drafted += len(d)
+                self.spec_stats.accepted += a
+                self.spec_stats.verify_steps += 1
+            else:
+                new = [int(sampled[r.slot])]
+            out[r.slot] = new
+            self._accept(r, new)
+        self.state.steps += 1
+        return out
+
+    def _prefill_demand(self) -> int:
+        """Tokens the next prefill chunks want (what drafts must leave of the budget)."""
+        pending = sorted((r for r in self._live.values() if r.state == PREFILLING
+                          and r.slot is not None and r.seq is not None),
+                         key=lambda r: r.admitted)[:self.max_prefill_rows]
+        return sum(min(self.prefill_chunk, len(r.tokens) - self.pool.manager.length(r.seq))
+                   for r in pending)
+
+    def _draft(self, req: _Req) -> list[int]:
+        if not self.speculative or req.params.temperature != 0:
+            return []
+        room = req.params.max_new_tokens - req.n_generated - 1
+        k = min(self.speculative, room, self.max_len - len(req.tokens))
+        return prompt_lookup_draft(req.tokens, k, self.max_ngram) if k > 0 else []
+
+    # -- prefill ----------------------------------------------------------------------
+    def _forward_prefill(self, rows: list[tuple[_Req, int]]) -> None:
+        """One prefill forward over (request, n tokens) rows (blocks already reserved)."""
+        r = min(pow2(len(rows)), self.max_prefill_rows)
+        m = self.pool.manager
+        tokens = np.zeros((r, self.prefill_chunk), np.int32)
+        start = np.zeros(r, np.int32)
+        n_new = np.zeros(r, np.int32)
+        for i, (req, n) in enumerate(rows):
+            p = m.length(req.seq) - n  # reserve advanced the length
+            tokens[i, :n] = req.tokens[p:p + n]
+            start[i], n_new[i] = p, n
+        table = self.pool.block_table([req.seq for req, _ in rows], r)
+        reqs = [req for req, _ in rows] + [None] * (r - len(rows))
+        sampled, _ = self._run_forward(tokens, start, n_new, table, reqs, verify=False)
+        for i, (req, n) in enumerate(rows):
+            if m.length(req.seq) == len(req.tokens):  # the whole context is computed
+                self._accept(req, [int(sampled[i])])
+                if req.state == PREFILLING and req.slot is not None:
+                    self.insert(self._prefix(req), req.slot)
+            else:
+                self._cache_new_blocks(req)
+
+    def _prefix(self, req: _Req) -> Prefix:
+        done = req.state in (FINISHED, ABORTED)
+        return Prefix(req.rid, len(req.tokens) - 1, req.n_cached,
+                      None if done else req.tokens[-1], done)
+
+    # -- the forward call -------------------------------------------------------------
+    def _run_forward(self, tokens, start, n_new, table, reqs, *, verify: bool):
+        """Forward + per-row sampling; returns (sampled [R], greedy [R, T]) on the host.
+        reqs[i]: the request of row i (None = padding); its next token's position is
+        start + n_new (keys from (seed, position))."""
+        rows = len(reqs)
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        keys = np.zeros((rows, 2), np.uint32)
+        for i, req in enumerate(reqs):
+            if req is None:
+                continue
+            p = req.params
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            if p.temperature > 0:
+                keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
+        self.pool.pools, sampled, greedy = serve_forward(
+            self.pool.model, self.pool.pools, table, tokens, start, n_new, temperature,
+            top_k, top_p, keys, verify=verify)
+        return np.asarray(sampled), np.asarray(greedy)
+
+    # -- tokens -> events -------------------------------------------------------------
+    def _accept(self, req: _Req, new: list[int]) -> None:
+        """New tokens of `req` in order: stop ids, stop strings, max tokens -> events."""
+        for tok in new:
+            if tok in req.stop_ids:
+                self._end(req, FINISHED, None, req.text.flush(), "stop")
+                return
+            req.tokens.append(tok)
+            req.n_generated += 1
+            text, stopped = req.text.push(tok)
+            if stopped:
+                self._end(req, FINISHED, tok, text, "stop")
+                return
+            if req.n_generated >= req.params.max_new_tokens:
+                self._end(req, FINISHED, tok, text + req.text.flush(), "length")
+                return
+            self._events.append(TokenEvent(req.rid, tok, text, None, req.n_prompt,
+                                           req.n_cached))
+        self._cache_new_blocks(req)
+
+    def _cache_new_blocks(self, req: _Req) -> None:
+        """Name newly completed full blocks in the prefix cache as they fill."""
+        if self.pool.prefix_cache is None or req.seq is None:
+            return
+        full = self.pool.manager.length(req.seq) // self.pool.block_size
+        if full > req.cached_blocks:
+            self.pool.cache_blocks(req.seq, req.tokens)
+            req.cached_blocks = full
+
+    def _slot_req(self, slot: int) -> _Req | None:
+        rid = self.state.slots[slot]
+        return None if rid is None else self._live.get(rid)
+
+    # -- validation -------------------------------------------------------------------
+    def _validated(self, request: Request) -> _Req:
+        if not isinstance(request, Request):
+            raise RequestError("request", f"expected a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("request_id", f"must be a non-empty string, got {rid!r}")
+        if rid in self._live or any(r.rid == rid for r in self._queue):
+            raise RequestError("request_id", f"{rid!r} is already queued or running")
+        if not isinstance(request.params, SamplingParams):
+            raise RequestError("params", f"expected SamplingParams, got "
+                                         f"{type(request.params).__name__}")
+        ids = request.prompt_ids
+        if not ids:
+            raise RequestError("prompt", "is empty: at least one token is needed")
+        if not all(isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size for t in ids):
+            raise RequestError("prompt", f"token ids must be integers in [0, {self.vocab_size})")
+        p = request.params
+        if len(ids) >= self.max_len:
+            raise RequestError("prompt", f"{len(ids)} tokens; the engine serves at most "
+                                         f"max_len - 1 = {self.max_len - 1} prompt tokens")
+        if len(ids) + p.max_new_tokens > self.max_len:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
+                                             f"({p.max_new_tokens}) exceeds max_len="
+                                             f"{self.max_len}")
+        if not all(isinstance(s, str) and s for s in p.stop):
+            raise RequestError("stop", f"stop strings must be non-empty strings, got {p.stop!r}")
+        if not all(isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size
+                   for t in p.stop_token_ids):
+            raise RequestError("stop_token_ids", f"must be integers in [0, {self.vocab_size})")
+        tokens = [int(t) for t in ids]
+        return _Req(request, tokens, len(tokens), TextStream(self.tokenizer, p.stop),
+                    frozenset(self.stop_token_ids + tuple(int(t) for t in p.stop_token_ids)))
+
+
+@functools.partial(jax.jit, static_argnames=("verify",), donate_argnums=(1,))
+def serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
+                   top_k, top_p, key_data, *, verify: bool):
+    """Rows' pending tokens through the paged caches; the token after each row's last
+    real one, sampled with the row's settings; `verify` also returns the argmax at every
+    position (speculative verification), else [R, 1] argmax at the last."""
+    states = tuple({**p, paged.TABLE: table} for p in pools)
+    out = forward(model, tokens, cache_states=states, start=start, n_new=n_new,
+                  logits="all" if verify else "last")
+    new_pools = tuple(paged.pools_of(s) for s in out.cache_states)
+    if verify:
+        last = out.logits[jnp.arange(tokens.shape[0]), jnp.maximum(n_new - 1, 0)]
+        greedy = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    else:
+        last = out.logits
+        greedy = jnp.argmax(last, axis=-1).astype(jnp.int32)[:, None]
+    return new_pools, sample_per_row(last, temperature, top_k, top_p, key_data), greedy

@@ -1,0 +1,154 @@
+"""One paged KV pool shared by every engine: the paged model, its device pools, the host
+block manager and (optionally) the prefix cache.
+
+The serving engine (`research.serving.engine.ServingEngine`) and SpecScale's search
+engine (`research.specscale.engine.PagedEngine`) both keep their K/V here; the model and
+cache state live in this one object (where a later sharding change puts its mesh).
+
+    pool = PagedPool(model, n_blocks=512, block_size=16, max_len=1024, prefix_cache=True)
+    seq = pool.manager.new_sequence()
+    pool.reserve({seq: n})                # blocks (evicting cached ones if needed) + CoW
+    table = pool.block_table([seq], rows=8, width=pool.max_blocks)
+    pool.pools = some_forward(pool.model, pool.pools, table, ...)   # donated, replaced
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from research.kv import paged
+from research.kv.block_allocator import BlockManager, OutOfBlocksError
+from research.kv.prefix_cache import PrefixCache
+from research.model.llama import Model
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+class PagedPool:
+    """Paged K/V of `n_blocks` blocks of `block_size` tokens for any codec-cache model.
+
+    model: any servax Model whose caches are codecs in a layout (float32/bf16, int8,
+      TaSQ/VQ, CQ, sign-bit; weights transformed or not); each layer's records move into
+      pages of one pool with its codec kept. A cache that cannot be paged (an eviction
+      press, KIVI's residual ring) is refused, naming it.
+    max_len: longest sequence (the block-table width is ceil(max_len / block_size)).
+    prefix_cache: keep full blocks named by their token prefix after their sequence ends
+      (`research.kv.prefix_cache`); evicted LRU when the free list runs short.
+    mesh: serve from sharded state (`research.sharding`): params split by `rules`
+      (default `POOL_RULES`: heads, FFN columns and vocabulary over "tensor", experts over
+      "expert"), the pool split by KV heads. Rows are not split: every row may map any
+      block (prefix sharing, rows re-bound each pass), so a mesh with a data axis > 1 is
+      refused (run one pool per data-parallel replica).
+    """
+
+    def __init__(self, model: Model, *, n_blocks: int, block_size: int = 16,
+                 max_len: int = 512, implementation: str = "auto", interpret: bool = False,
+                 prefix_cache: bool = False, mesh=None, rules=None):
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        if max_len > model.config.max_position:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_position="
+                             f"{model.config.max_position}")
+        transform = paged.paged_kv_cache(block_size, n_blocks, implementation, interpret)
+        self.model = transform.apply(model, transform.calibrate(model, None))
+        self.mesh = mesh
+        if mesh is not None:
+            from research.sharding import POOL_RULES, check_pool_mesh, shard_model
+            rules = POOL_RULES if rules is None else rules
+            check_pool_mesh(mesh, rules)
+            self.model = shard_model(self.model, mesh, rules)
+        elif rules is not None:
+            raise ValueError("rules without a mesh: pass mesh= too")
+        self.block_size = block_size
+        self.max_blocks = -(-max_len // block_size)
+        self.max_len = max_len
+        self.manager = BlockManager(n_blocks, block_size, self.max_blocks)
+        states = self.model.init_cache(1, max_len)
+        for i, (cache, s) in enumerate(zip(self.model.caches, states)):
+            if paged.has_seq_state(s):  # rows are re-bound to sequences every pass here
+                raise TypeError(f"a paged pool cannot serve layer {i}'s {cache.describe()}: "
+                                "its codec keeps per-sequence state outside the pages "
+                                "(a full-precision ring), and engines re-bind rows "
+                                "to sequences every pass")
+        self.pools = tuple(paged.pools_of(s) for s in states)
+        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(self.pools)) // n_blocks
+        self.prefix_cache = (PrefixCache(self.manager.allocator, block_size)
+                             if prefix_cache else None)
+        self.block_copies = 0  # copy-on-write / no-sharing copies executed on device
+
+    @property
+    def allocator(self):
+        return self.manager.allocator
+
+    @property
+    def n_blocks(self) -> int:
+        return self.manager.allocator.n_blocks
+
+    def n_available(self) -> int:
+        """Blocks a reservation can get: free ones plus evictable cached ones."""
+        cached = self.prefix_cache.n_evictable if self.prefix_cache is not None else 0
+        return self.allocator.n_free + cached
+
+    def blocks_in_use(self) -> int:
+        """Blocks live sequences reference (evictable cached blocks excluded)."""
+        cached = self.prefix_cache.n_evictable if self.prefix_cache is not None else 0
+        return self.allocator.n_used - cached
+
+    def make_room(self, n_free: int) -> bool:
+        """Evict cached blocks until `n_free` blocks are free; False if impossible."""
+        short = n_free - self.allocator.n_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.n_free >= n_free
+
+    def reserve(self, requests: dict[int, int]) -> None:
+        """Room for requests[seq] more tokens of each sequence, all or nothing; runs the
+        copy-on-write copies on device. Raises OutOfBlocksError (nothing changed) when
+        even evicting every evictable cached block is not enough."""
+        needed = self.manager.fresh_blocks_needed(requests)
+        if not self.make_room(needed):
+            raise OutOfBlocksError(f"need {needed} free KV blocks, only "
+                                   f"{self.allocator.n_free} free of {self.n_blocks}")
+        self.copy(self.manager.reserve(requests))
+
+    def copy(self, copies: list[tuple[int, int]]) -> None:
+        """Execute (src, dst) block copies on every paged layer (shapes bucketed)."""
+        if not copies:
+            return
+        n = pow2(len(copies), minimum=8)
+        src = np.zeros((n,), np.int32)
+        dst = np.full((n,), -1, np.int32)
+        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        self.pools = paged.copy_pool_blocks(self.pools, src, dst)
+        self.block_copies += len(copies)
+
+    def warm_copies(self, max_copies: int) -> None:
+        """Compile the copy kernel for every bucket up to `max_copies` (no-op copies)."""
+        n = 8
+        while True:
+            src = np.zeros((n,), np.int32)
+            dst = np.full((n,), -1, np.int32)
+            self.pools = paged.copy_pool_blocks(self.pools, src, dst)
+            if n >= max_copies:
+                break
+            n *= 2
+        jax.block_until_ready(self.pools)
+
+    def block_table(self, seqs, rows: int, width: int | None = None) -> np.ndarray:
+        """[rows, width] int32 table of `seqs` (padding rows and entries -1)."""
+        width = self.max_blocks if width is None else width
+        table = np.full((rows, width), -1, np.int32)
+        if seqs:
+            table[:len(seqs)] = self.manager.block_table(list(seqs))[:, :width]
+        return table
+
+    def cache_blocks(self, seq: int, tokens) -> None:
+        """Name `seq`'s full computed blocks in the prefix cache (no-op without one)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(tokens, self.manager.blocks(seq), self.manager.length(seq))
+
+
+__all__ = ["PagedPool", "OutOfBlocksError", "pow2"]
