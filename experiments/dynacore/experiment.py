@@ -161,6 +161,14 @@ def speed(config, out_dir, w4name):
     return rows, {"speed": sp, "peer": peer, "threads": s.threads, "xla_flags": flags}
 
 
+def hlo_check(model, w4) -> dict:
+    """Whether XLA (CPU) writes whole dequantized weights in a compiled W4A16 decode step
+    (speed.hlo_materialization), beside the f32 step: a compile, no timing."""
+    from experiments.dynacore.speed import hlo_materialization
+    q, _ = calibrate_and_apply(quantize(w4), model, None)
+    return {"w4a16": hlo_materialization(q), "f32": hlo_materialization(model)}
+
+
 # -- roofline --------------------------------------------------------------------------
 
 def roofline_tables(config):
@@ -304,10 +312,10 @@ def run(config, out_dir=None) -> common.Report:
     os.makedirs(out_dir, exist_ok=True)
     model, tok = load(config.gguf_path or None)
     sections = {s for s in config.sections.split(",") if s}
-    unknown = sections - {"quality", "speed", "handoff"}
+    unknown = sections - {"quality", "hlo", "speed", "handoff"}
     if unknown:
         raise ValueError(f"config.sections: unknown {sorted(unknown)}; expected a comma list "
-                         "of quality, speed, handoff")
+                         "of quality, hlo, speed, handoff")
     quality_out = _section(out_dir, "quality", "quality" in sections, lambda: (
         lambda r: (r[0], r[1], r[2].zero_point))(quality(model, tok, config)))
     if quality_out is None:
@@ -322,6 +330,10 @@ def run(config, out_dir=None) -> common.Report:
     hand_rows = _section(out_dir, "handoff", "handoff" in sections,
                          lambda: measured_handoff(model, tok, config))
     s_rows, s_extra = speed_out if speed_out is not None else (None, None)
+    hlo_out = _section(out_dir, "hlo", "hlo" in sections, lambda: hlo_check(model, w4))
+    if s_extra is None and hlo_out is not None:
+        s_extra = {"speed": {"hlo_w4a16": hlo_out["w4a16"], "hlo_f32": hlo_out["f32"]},
+                   "peer": None}
     claims, notes = make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows,
                                 w4, q_extra, d_extra)
     notes += [f"section {m!r} was not run (config.sections={config.sections!r}); its table "
