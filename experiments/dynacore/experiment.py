@@ -30,6 +30,22 @@ from research.serving.generate import decode_loop, prefill
 from research.serving.sampling import SamplingConfig
 from research.transforms import CalibrationData, calibrate_and_apply
 
+TECHNIQUE = "dynacore"
+# W4A16 zero points on/off are chosen inside each run on its dev windows (disjoint from
+# the test windows, quality.choose_zero_point), recorded in extra.quality
+DEFAULTS_CHOSEN_ON = ("python -m experiments.run --config=experiments/dynacore/dynacore.py:"
+                      "small (its dev windows: extra.quality.dev_zero_point_rows)")
+
+
+def defaults(config) -> dict:
+    """DynaCore's settings: the prefill and decode schemes and the quality protocol."""
+    q = config.quality
+    return {"prefill": "W8A8 (int8 per-channel weights, per-token int8 activations)",
+            "decode": f"W4A16 g{q.dev_group}, zero points chosen on dev",
+            "window": q.window, "n_prefill": q.n_prefill, "dev_windows": q.dev_windows,
+            "test_windows": q.test_windows}
+
+
 COLUMNS = ["setting", "prefill", "decode", "linear MB", "ppl all", "ppl decoded",
            "dppl decoded %", "KL decoded", "KL prefill", "note"]
 F32 = "f32"
