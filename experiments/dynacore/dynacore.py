@@ -27,7 +27,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     # sections computed by this run; the others are loaded from the section_*.json an
     # earlier run saved in the same out dir (listed in results.json with their git state),
     # so the timed sections can run under the bench lock apart from the quality section
-    c.sections = "quality,speed,disagg"
+    c.sections = "quality,hlo,speed,handoff"
     c.gguf_path = ""
     c.quality = ml_collections.ConfigDict(dict(
         window=256, n_prefill=128, dev_windows=4 if small else 8,

@@ -30,6 +30,22 @@ from research.serving.generate import decode_loop, prefill
 from research.serving.sampling import SamplingConfig
 from research.transforms import CalibrationData, calibrate_and_apply
 
+TECHNIQUE = "dynacore"
+# W4A16 zero points on/off are chosen inside each run on its dev windows (disjoint from
+# the test windows, quality.choose_zero_point), recorded in extra.quality
+DEFAULTS_CHOSEN_ON = ("python -m experiments.run --config=experiments/dynacore/dynacore.py:"
+                      "small (its dev windows: extra.quality.dev_zero_point_rows)")
+
+
+def defaults(config) -> dict:
+    """DynaCore's settings: the prefill and decode schemes and the quality protocol."""
+    q = config.quality
+    return {"prefill": "W8A8 (int8 per-channel weights, per-token int8 activations)",
+            "decode": f"W4A16 g{q.dev_group}, zero points chosen on dev",
+            "window": q.window, "n_prefill": q.n_prefill, "dev_windows": q.dev_windows,
+            "test_windows": q.test_windows}
+
+
 COLUMNS = ["setting", "prefill", "decode", "linear MB", "ppl all", "ppl decoded",
            "dppl decoded %", "KL decoded", "KL prefill", "note"]
 F32 = "f32"
@@ -161,6 +177,15 @@ def speed(config, out_dir, w4name):
     return rows, {"speed": sp, "peer": peer, "threads": s.threads, "xla_flags": flags}
 
 
+def hlo_check(model, w4) -> dict:
+    """Whether XLA (CPU) writes whole dequantized weights in a compiled W4A16 decode step
+    (speed.hlo_materialization), beside the f32 step: a compile, no timing. `w4` has zero
+    points (the check is about the dequantize-then-dot structure, the same without)."""
+    from experiments.dynacore.speed import hlo_materialization
+    q, _ = calibrate_and_apply(quantize(w4), model, None)
+    return {"w4a16": hlo_materialization(q), "f32": hlo_materialization(model)}
+
+
 # -- roofline --------------------------------------------------------------------------
 
 def roofline_tables(config):
@@ -188,7 +213,7 @@ def roofline_tables(config):
 
 # -- disaggregation --------------------------------------------------------------------
 
-def disagg_tables(model, tok, config):
+def disagg_tables(config):
     d = config.disagg
     c = LLAMA_31_70B
     kv16 = kv_bytes(c, d.tokens, 16)
@@ -200,13 +225,19 @@ def disagg_tables(model, tok, config):
         for link, bps in LINKS.items():
             row[f"ms @ {link}"] = 1e3 * transfer_s(nbytes, bps)
         calc.append(row)
-    # modeled crossover: recompute the prefill on 8xH200 (bf16 roofline) vs move the KV
+    # modeled crossover on 8xH200: "standalone" recompute = the bf16 TTFT roofline (with
+    # its weight-read floor); "marginal" = compute only (the prompt joins a busy prefill
+    # batch, weights already streaming); moving the KV pays an assumed 100 us setup
+    links = dict(LINKS, **{"25 Gbps": 25e9})
     cross = {}
-    for link, bps in LINKS.items():
+    for link, bps in links.items():
         for label, bits in (("bf16", 16), ("1-bit", 1)):
-            cross[f"{label} @ {link}"] = crossover_tokens(
-                lambda p: ttft_s(c, p, BF16, H200),
-                lambda p, bits=bits: transfer_s(kv_bytes(c, p, bits), bps))
+            move = lambda p, bits=bits, bps=bps: transfer_s(  # noqa: E731
+                kv_bytes(c, p, bits), bps, latency_s=100e-6)
+            cross[f"{label} @ {link}, standalone"] = crossover_tokens(
+                lambda p: ttft_s(c, p, BF16, H200), move)
+            cross[f"{label} @ {link}, marginal"] = crossover_tokens(
+                lambda p: ttft_s(c, p, BF16, H200, mbu=float("inf")), move)
     # billing: per-second, one request of d.prompt tokens and d.new_tokens out
     h200 = Pool("8xH200", 8, d.usd_per_gpu_hour_h200)
     ttft = ttft_s(c, d.prompt, W8A8, H200)
@@ -216,9 +247,8 @@ def disagg_tables(model, tok, config):
     bill.update(ttft_s=ttft, tpot_s=tpot, kv_move_s=move, prompt=d.prompt,
                 new_tokens=d.new_tokens, decode_batch=d.decode_batch,
                 usd_per_gpu_hour=d.usd_per_gpu_hour_h200)
-    measured = measured_handoff(model, tok, config)
-    return calc, measured, {"crossover_tokens_modeled_8xH200": cross, "billing": bill,
-                            "tasq_codebook_bytes_70b": books}
+    return calc, {"crossover_tokens_modeled_8xH200": cross, "billing": bill,
+                  "tasq_codebook_bytes_70b": books}
 
 
 def measured_handoff(model, tok, config):
@@ -276,10 +306,8 @@ def _section(out_dir, name: str, compute: bool, fn):
     path = os.path.join(out_dir, f"section_{name}.json")
     if not compute:
         if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"section {name!r} is not in config.sections and no earlier run saved "
-                f"{path}: run with --config.sections={name} (sections computed so far "
-                "are saved)")
+            MISSING.append(name)
+            return None
         with open(path) as f:
             saved = json.load(f)
         REUSED[name] = saved["git"]
@@ -293,48 +321,74 @@ def _section(out_dir, name: str, compute: bool, fn):
 
 
 REUSED: dict = {}
+MISSING: list = []  # sections neither computed nor saved: absent from the report
 
 
 def run(config, out_dir=None) -> common.Report:
     out_dir = out_dir or tempfile.mkdtemp()
     os.makedirs(out_dir, exist_ok=True)
-    model, tok = load(config.gguf_path or None)
-    sections = set(config.sections.split(","))
-    unknown = sections - {"quality", "speed", "disagg"}
+    loaded = []
+
+    def model_tok():  # loaded only when a section is computed here
+        if not loaded:
+            loaded.append(load(config.gguf_path or None))
+        return loaded[0]
+
+    sections = {s for s in config.sections.split(",") if s}
+    unknown = sections - {"quality", "hlo", "speed", "handoff"}
     if unknown:
         raise ValueError(f"config.sections: unknown {sorted(unknown)}; expected a comma list "
-                         "of quality, speed, disagg")
-    q_rows, q_extra, zp = _section(out_dir, "quality", "quality" in sections, lambda: (
-        lambda r: (r[0], r[1], r[2].zero_point))(quality(model, tok, config)))
+                         "of quality, hlo, speed, handoff")
+    # the HLO check does not depend on the quality section's dev choice: zero points on
+    hlo_out = _section(out_dir, "hlo", "hlo" in sections, lambda: hlo_check(
+        model_tok()[0], w4a16(config.quality.dev_group, zero_point=True)))
+    quality_out = _section(out_dir, "quality", "quality" in sections, lambda: (
+        lambda r: (r[0], r[1], r[2].zero_point))(quality(*model_tok(), config)))
+    if quality_out is None:
+        raise ValueError("the quality section was neither computed nor saved: include "
+                         "'quality' in config.sections")
+    q_rows, q_extra, zp = quality_out
     w4 = w4a16(config.quality.dev_group, zero_point=zp)
     pre_rows, dec_rows = roofline_tables(config)
-    s_rows, s_extra = _section(out_dir, "speed", "speed" in sections,
-                               lambda: speed(config, out_dir, w4.name))
-    calc_rows, hand_rows, d_extra = _section(out_dir, "disagg", "disagg" in sections,
-                                             lambda: disagg_tables(model, tok, config))
+    calc_rows, d_extra = disagg_tables(config)
+    speed_out = _section(out_dir, "speed", "speed" in sections,
+                         lambda: speed(config, out_dir, w4.name))
+    hand_rows = _section(out_dir, "handoff", "handoff" in sections,
+                         lambda: measured_handoff(*model_tok(), config))
+    s_rows, s_extra = speed_out if speed_out is not None else (None, None)
+    if s_extra is None and hlo_out is not None:
+        s_extra = {"speed": {"hlo_w4a16": hlo_out["w4a16"], "hlo_f32": hlo_out["f32"]},
+                   "peer": None}
     claims, notes = make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows,
                                 w4, q_extra, d_extra)
-    tables = [
-        {"title": f"CPU speed (one process, {config.speed.threads} thread(s) for XLA and "
-                  "llama.cpp, medians after warm-up)",
-         "columns": ["engine", "variant", "phase", "batch", "tok/s", "vs f32"],
-         "rows": s_rows},
+    notes += [f"section {m!r} was not run (config.sections={config.sections!r}); its table "
+              "is absent" for m in MISSING]
+    tables = []
+    if s_rows is not None:
+        tables.append(
+            {"title": f"CPU speed (one process, {config.speed.threads} thread(s) for XLA and "
+                      "llama.cpp, medians after warm-up)",
+             "columns": ["engine", "variant", "phase", "batch", "tok/s", "vs f32"],
+             "rows": s_rows})
+    tables += [
         {"title": "MODELED TTFT, Llama-3.1-70B, one prompt (roofline, datasheet rates)",
          "columns": list(pre_rows[0]), "rows": pre_rows},
         {"title": "MODELED TPOT, Llama-3.1-70B (roofline, datasheet rates)",
          "columns": list(dec_rows[0]), "rows": dec_rows},
         {"title": "KV size and transfer time (calculator)", "columns": list(calc_rows[0]),
-         "rows": calc_rows},
-        {"title": "Measured KV handoff between two processes (SmolLM2, loopback TCP)",
-         "columns": list(hand_rows[0]), "rows": hand_rows},
-    ]
+         "rows": calc_rows}]
+    if hand_rows is not None:
+        tables.append(
+            {"title": "Measured KV handoff between two processes (SmolLM2, loopback TCP)",
+             "columns": list(hand_rows[0]), "rows": hand_rows})
     return common.Report(
         columns=COLUMNS, rows=q_rows, tables=tables, claims=claims, notes=notes,
         title=f"DynaCore on SmolLM2-135M-Instruct ({q_extra['n_test_windows']} test windows "
               f"of {config.quality.window}, {config.quality.n_prefill} prefilled)",
         plot=lambda fig: plot(fig, q_rows, dec_rows),
-        extra={"quality": q_extra, **s_extra, "disagg": d_extra,
-               "reused_sections": dict(REUSED)})
+        extra={"quality": q_extra, **(s_extra or {}), "disagg": d_extra,
+               "measured_handoff": hand_rows, "reused_sections": dict(REUSED),
+               "missing_sections": list(MISSING)})
 
 
 def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w4, q_extra,
@@ -362,25 +416,27 @@ def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w4, q_ex
         common.claim("32k-token Llama-3.1-70B KV ~10 GB (seed)", "~10 GB",
                      f"{calc_rows[0]['GB']:.2f} GB bf16", abs(calc_rows[0]["GB"] - 10.7) < 0.1),
     ]
-    peer = s_extra["peer"]
+    peer = s_extra["peer"] if s_extra else None
     mine = next((r for r in s_rows if r["variant"] == w4.name and r["batch"] == 1
-                 and r["phase"] == "decode"), None)
+                 and r["phase"] == "decode"), None) if s_rows else None
     if peer and mine:
         ratio = mine["tok/s"] / peer["Q4_1"]["decode_tok_s"]
         claims.append(common.claim("servax W4A16 decode b1 >= llama.cpp Q4_1 (goal)",
                                    ">= 1.0x", f"{ratio:.3f}x", ratio >= 1))
-    hlo = s_extra["speed"]["hlo_w4a16"]["weight_shaped_f32_arrays"]
+    hlo = s_extra["speed"]["hlo_w4a16"]["weight_shaped_f32_arrays"] if s_extra else None
     notes = [
         f"zero points chosen on dev windows only: zero_point={q_extra['zero_point']} "
         f"(dev rows in results.json extra.quality.dev_zero_point_rows)",
         "the tied embedding / LM head stays float in every row "
         f"({q_extra['embed_MB']:.0f} MB f32); 'linear MB' counts the real arrays of every "
         "quantized linear weight (codes, scales, zero points; DynaCore: both sets)",
-        "W4A16 decode on CPU runs the XLA reference: the compiled decode step holds "
-        + ", ".join(f"{v['count']} f32[{k.replace('x', ',')}] arrays" for k, v in hlo.items())
-        + " (whole dequantized weights written every step, then a dense dot); the Pallas "
-        "kernel, which dequantizes one tile at a time, is what TPU/GPU run",
-        "TTFT/TPOT tables are MODELED (research/dynacore/py: datasheet rates, "
+        ("W4A16 decode on CPU runs the XLA reference: the compiled decode step holds "
+         + ", ".join(f"{v['count']} f32[{k.replace('x', ',')}] arrays"
+                     for k, v in hlo.items())
+         + " (whole dequantized weights written every step, then a dense dot); the Pallas "
+         "kernel, which dequantizes one tile at a time, is what TPU/GPU run")
+        if hlo else "speed section not run: no HLO check in this run",
+        "TTFT/TPOT tables are MODELED (research/dynacore/roofline.py: datasheet rates, "
         "mfu 0.6, mbu 0.8, 8 GPUs as one ideal tensor-parallel device)",
         f"modeled crossover prompt length (8xH200 bf16 recompute vs moving the KV): "
         f"{d_extra['crossover_tokens_modeled_8xH200']}",

@@ -7,9 +7,10 @@ Wire format (one message = 8-byte big-endian length + a pickle, protocol 5): the
 {"length": P, "max_len", "first_logits": [B, V] f32, "records": [per layer {name: array
 [B, P, ...]}]} -- only the first P slots of each dense-layout record (f32 K/V, or TaSQ's
 1-bit codes). The decode side writes them into its own cache, decodes greedily with
-`generate.decode_loop` and answers {"tokens": [B, n]} (max_new_tokens 0: no decoding). It acknowledges each prefix the
-moment it is deserialized and on its device ("ack"), so the sender's send-to-ack time is the
-transfer (serialize + socket + deserialize + device_put); decoding is not in it.
+`generate.decode_loop` and answers {"tokens": [B, n]} (max_new_tokens 0: no decoding).
+It acknowledges each prefix the moment it is deserialized and on its device ("ack"), so
+the sender's send-to-ack time is the transfer (serialize + socket + deserialize +
+device_put); decoding is not in it.
 A TaSQ model's codebooks are sent once ("setup": the transform state), not per request.
 """
 from __future__ import annotations

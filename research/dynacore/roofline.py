@@ -2,9 +2,10 @@
 
 Each step's time is its roofline: max(FLOPs / (peak * mfu), bytes / (HBM bw * mbu)),
 summed over the node's GPUs as one ideal device (tensor parallel, communication not
-modeled). Weight bytes: bf16 = 2 B/param; W8A8 = 1 B; W4A16 = (4 + 32/g + 8/g) / 8 B (an
-f32 scale and a uint8 zero point per group of g, as servax stores them). Attention FLOPs and KV bytes are bf16 in
-every setting (the KV cache is not what the weight scheme changes).
+modeled). Weight bytes: bf16 = 2 B/param; W8A8 = 1 B; W4A16 = (4 + 32/g + 8/g) / 8 B
+(an f32 scale and a uint8 zero point per group of g, as servax stores them). Attention
+FLOPs and KV bytes are bf16 in every setting (the KV cache is not what the weight scheme
+changes).
 
 Rates (dense, no sparsity; per GPU):
   H200 SXM: BF16 989 TFLOPS, INT8/FP8 1,979 TOPS, HBM3e 4.8 TB/s, 141 GB.

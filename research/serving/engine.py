@@ -263,6 +263,10 @@ class ServingEngine:
                               max_len=max_len, implementation=implementation,
                               interpret=interpret, prefix_cache=prefix_cache, mesh=mesh,
                               rules=rules)
+        # a model holding one weight set per phase (research.dynacore) prefills with its
+        # prefill set and decodes with its decode set; other models serve both as they are
+        self._phase_models = {phase: self.pool.model.for_phase(phase)
+                              for phase in ("prefill", "decode")}
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_batch, self.max_len = max_batch, max_len
@@ -410,11 +414,13 @@ class ServingEngine:
         """Compile every shape `step()` can use (all-padding batches write nothing)."""
         shapes = ([(r, t, False) for r, t in self.prefill_shapes()]
                   + [(r, t, t > 1) for r, t in self.decode_shapes()])
-        for rows, t, verify in shapes:
+        phases = (["prefill"] * len(self.prefill_shapes())
+                  + ["decode"] * len(self.decode_shapes()))
+        for (rows, t, verify), phase in zip(shapes, phases):
             self._run_forward(np.zeros((rows, t), np.int32), np.zeros(rows, np.int32),
                               np.zeros(rows, np.int32),
                               np.full((rows, self.pool.max_blocks), -1, np.int32),
-                              [None] * rows, verify=verify)
+                              [None] * rows, verify=verify, phase=phase)
         self.pool.warm_copies(pow2(self.max_batch, minimum=8))
         self._compiles0 = compile_count()
 
@@ -568,7 +574,8 @@ class ServingEngine:
         for r in live:
             blocks = m.blocks(r.seq)
             table[r.slot, :len(blocks)] = blocks
-        sampled, greedy = self._run_forward(tokens, start, n_new, table, rows, verify=t > 1)
+        sampled, greedy = self._run_forward(tokens, start, n_new, table, rows, verify=t > 1,
+                                            phase="decode")
         for r in live:
             d = drafts[r.rid]
             if d:
@@ -617,7 +624,8 @@ class ServingEngine:
             start[i], n_new[i] = p, n
         table = self.pool.block_table([req.seq for req, _ in rows], r)
         reqs = [req for req, _ in rows] + [None] * (r - len(rows))
-        sampled, _ = self._run_forward(tokens, start, n_new, table, reqs, verify=False)
+        sampled, _ = self._run_forward(tokens, start, n_new, table, reqs, verify=False,
+                                       phase="prefill")
         for i, (req, n) in enumerate(rows):
             if m.length(req.seq) == len(req.tokens):  # the whole context is computed
                 self._accept(req, [int(sampled[i])])
@@ -632,8 +640,9 @@ class ServingEngine:
                       None if done else req.tokens[-1], done)
 
     # -- the forward call -------------------------------------------------------------
-    def _run_forward(self, tokens, start, n_new, table, reqs, *, verify: bool):
+    def _run_forward(self, tokens, start, n_new, table, reqs, *, verify: bool, phase: str):
         """Forward + per-row sampling; returns (sampled [R], greedy [R, T]) on the host.
+        phase: "prefill" or "decode", the model view that runs (Model.for_phase).
         reqs[i]: the request of row i (None = padding); its next token's position is
         start + n_new (keys from (seed, position))."""
         rows = len(reqs)
@@ -649,8 +658,8 @@ class ServingEngine:
             if p.temperature > 0:
                 keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
         self.pool.pools, sampled, greedy = serve_forward(
-            self.pool.model, self.pool.pools, table, tokens, start, n_new, temperature,
-            top_k, top_p, keys, verify=verify)
+            self._phase_models[phase], self.pool.pools, table, tokens, start, n_new,
+            temperature, top_k, top_p, keys, verify=verify)
         return np.asarray(sampled), np.asarray(greedy)
 
     # -- tokens -> events -------------------------------------------------------------

@@ -201,3 +201,34 @@ def test_two_process_kv_handoff_decodes_the_same_tokens():
     assert r["tokens"].tolist() == want
     assert r["kv_bytes"] == 2 * 2 * 2 * 7 * 2 * 8 * 4  # layers * K,V * B * P * Hkv * D * f32
     assert r["wire_bytes"] > r["kv_bytes"] and r["transfer_s"] > 0
+
+
+def test_serving_engine_prefills_and_decodes_with_the_phase_sets():
+    """The engine runs model.prefill_model for prompt chunks and model.decode_model for
+    decode steps: its greedy tokens equal generate's on the same DynaCore model (a forward
+    on the undivided model would raise)."""
+    from research.serving.api import Request, SamplingParams
+    from research.serving.engine import ServingEngine
+
+    class Tok:
+        eos_id = 0
+
+        def decode(self, ids, skip_special=False):
+            return "".join(chr(65 + i % 26) for i in ids)
+
+        def token_to_id(self, token):
+            return None
+
+    dc, _ = calibrate_and_apply(dynacore(w8a8(), w4a16(32)), _model(), None)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 4, 5]]
+    want = generate(dc, prompts, max_new_tokens=6, max_len=32).tokens
+    engine = ServingEngine(dc, Tok(), n_blocks=16, block_size=8, max_batch=2, max_len=32,
+                           token_budget=16, prefill_chunk=8, stop_token_ids=(), max_queue=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", tuple(p), SamplingParams(max_new_tokens=6)))
+    out = {}
+    while engine.has_work():
+        for e in engine.step():
+            if e.token_id is not None:
+                out.setdefault(e.request_id, []).append(e.token_id)
+    assert [out["r0"], out["r1"]] == want
