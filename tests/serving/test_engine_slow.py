@@ -9,7 +9,7 @@ from research.model import init_params, make_model, tiny_config
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine
 from research.serving.generate import default_stop_tokens, generate
-from research.tasq import TaSQConfig, VQCodec, int8_kv, tasq
+from research.tasq import CQCodec, TaSQConfig, VQCodec, int8_kv, tasq
 from research.transforms import CalibrationData, calibrate_and_apply
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about snow.",
@@ -50,7 +50,7 @@ def test_smollm2_tasq_1bit_paged_equals_tasq_dense_generate(smollm2):
     cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 128, 8)
     cfg = TaSQConfig(bits=1, kmeans_iters=4, max_points=1024)
     quantized, _ = calibrate_and_apply(tasq(cfg), model, cal)
-    assert isinstance(quantized.caches[0].codec, VQCodec)
+    assert isinstance(quantized.caches[0].codec, (CQCodec, VQCodec))  # pre- or post-RoPE
     engine = ServingEngine(quantized, tok, n_blocks=16, block_size=16, max_batch=2,
                            max_len=80, token_budget=18, prefill_chunk=16, max_prefill_rows=1)
     _check_equals_generate(quantized, tok, engine, [_chat(tok, q) for q in QUESTIONS], 12)
