@@ -22,6 +22,16 @@ from research.sharding import (LLAMA31_8B, SLICES, SMOLLM2_135M, collective_summ
 from research.tasq import TaSQConfig, tasq
 from research.transforms import CalibrationData, calibrate_and_apply
 
+# dev/test protocol declarations (experiments/protocol.py): nothing is tuned here; the
+# equivalence checks compare a sharded run with one device on the same prompts
+TECHNIQUE = "scaleout"
+DEFAULTS_CHOSEN_ON = "none: mesh layouts, prompts and sizes fixed a priori, not tuned"
+
+
+def defaults(config) -> dict:
+    return config.to_dict()
+
+
 COLUMNS = ["part", "kind", "model", "layout", "devices", "cache", "KV codes equal",
            "prefill max|err|",
            "decode max|err|", "max|logit|", "greedy identical", "params B/device", "KV B/device",
