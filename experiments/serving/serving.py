@@ -46,7 +46,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         n_requests=6 if small else 64))
     c.batching = ml_collections.ConfigDict(dict(rate=2.0, n_requests=8 if small else 96))
     c.tasq = ml_collections.ConfigDict(dict(
-        budget_bf16_blocks=24, max_batch=16, n_requests=16 if small else 128,
+        budget_bf16_blocks=32, max_batch=16, n_requests=16 if small else 128,
         prompt_tokens=48, max_tokens=8 if small else 64, calibration_seqs=4 if small else 16))
     c.prefix = ml_collections.ConfigDict(dict(
         group_sizes=(2, 4) if small else (2, 4, 8), n_requests=8 if small else 64, prefix_tokens=160,
