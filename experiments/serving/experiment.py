@@ -106,7 +106,7 @@ def tasq_vs_bf16(model, tok, config) -> tuple[list[dict], dict]:
     served = {"bf16": kv_codec_model(model, tok, "bf16"),
               "tasq-1bit": kv_codec_model(model, tok, "tasq-1bit", seed=config.seed,
                                           calibration_seqs=t.calibration_seqs)}
-    min_blocks = -(-e.max_len // e.block_size)
+    min_blocks = -(-e.max_len // e.block_size) + 1  # one max_len request + a copy-on-write block
     block_bytes = {k: ServingEngine(m, tok, n_blocks=min_blocks, block_size=e.block_size,
                                     max_batch=1, max_len=e.max_len, token_budget=e.token_budget,
                                     warmup=False).pool.block_bytes
