@@ -41,7 +41,7 @@ import numpy as np
 
 from research.kv import paged
 from research.model.llama import Model, forward
-from research.serving.paged_pool import PagedPool
+from research.serving.paged_pool import PagedPool, pow2
 
 MODES = ("prefill", "score", "sample")
 
@@ -258,7 +258,7 @@ class PagedEngine:
         n_new = np.zeros((r,), np.int32)
         start = np.zeros((r,), np.int32)
         if mode == "sample":  # one key per draw; draw counts bucketed to bound recompiles
-            aux = np.zeros((r, _pow2(max(map(len, lineages))), 2), np.uint32)
+            aux = np.zeros((r, pow2(max(map(len, lineages))), 2), np.uint32)
         else:
             aux = np.zeros((r, t), np.int32)
         for i, ((s, n), p) in enumerate(zip(rows, starts)):
@@ -290,7 +290,7 @@ class PagedEngine:
         self.stats.block_copies += len(copies)
 
     def _table_bucket(self, n_blocks: int) -> int:
-        return min(_pow2(max(n_blocks, 1), minimum=4), self.manager.max_blocks_per_seq)
+        return min(pow2(max(n_blocks, 1), minimum=4), self.manager.max_blocks_per_seq)
 
     def _row_bucket(self, rows: int) -> int:
         return -(-rows // self.row_multiple) * self.row_multiple
@@ -312,11 +312,7 @@ def _chunk_bucket(t: int) -> int:
     """1 (decode), multiples of 8 up to 64, then powers of two: little padding, few shapes."""
     if t <= 1:
         return 1
-    return -(-t // 8) * 8 if t <= 64 else _pow2(t)
-
-
-def _pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    return -(-t // 8) * 8 if t <= 64 else pow2(t)
 
 
 def _key_data(entropy: np.ndarray) -> np.ndarray:
