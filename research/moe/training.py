@@ -12,9 +12,15 @@ Fault tolerance: every `ckpt_every` steps the params, optimizer state, step and 
 history are saved (orbax, atomic). `train` resumes from the latest checkpoint in
 `ckpt_dir`; batches are a pure function of (seed, step), so a killed and resumed run ends
 with exactly the params of an uninterrupted one. Each checkpoint carries a SHA-256 digest
-of its arrays and loss history; a checkpoint that does not restore or does not match its
-digest (truncated, bit-flipped, missing files) is moved aside to `damaged_step_<n>` with
-a warning naming it, and training resumes from the newest readable step (or from scratch).
+of its arrays and loss history, and a list of its files with their sizes and SHA-256
+(`servax_files.json`, written once orbax has finalized the step). A checkpoint whose files
+do not match that list, that does not restore, or that does not match its digest
+(truncated, bit-flipped, missing files) is moved aside to `damaged_step_<n>` with a
+warning naming it, and training resumes from the newest readable step (or from scratch).
+The file list is checked before orbax reads anything: a restore of a damaged checkpoint
+fails on its first bad read and leaves orbax's other reads pending, and their errors,
+reported later from background threads, raced with the main thread's traceback
+formatting (CPython 3.11: "AST constructor recursion depth mismatch").
 """
 from __future__ import annotations
 
@@ -164,19 +170,64 @@ def _save(mngr, step, params, opt_state, losses, aux_losses, tc) -> None:
     meta = {"config": dataclasses.asdict(tc), "losses": list(losses),
             "aux_losses": list(aux_losses)}
     meta["digest"] = _digest(state, meta)
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                            meta=ocp.args.JsonSave(meta)))
+    saved = mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)))
+    if saved:
+        mngr.wait_until_finished()  # the step directory is final only now
+        _write_file_list(Path(mngr.directory) / str(step))
 
 
 class _Damaged(Exception):
     pass
 
 
+_FILE_LIST = "servax_files.json"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_file_list(step_dir: Path) -> None:
+    """{relative path: [size, sha256]} of every file of a finalized step, written atomically."""
+    files = {str(p.relative_to(step_dir)): [p.stat().st_size, _sha256_file(p)]
+             for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != _FILE_LIST}
+    tmp = step_dir / (_FILE_LIST + ".tmp")
+    tmp.write_text(json.dumps(files, indent=0))
+    tmp.rename(step_dir / _FILE_LIST)
+
+
+def _check_file_list(step_dir: Path) -> bool:
+    """False if the step has no file list (a crash between finalize and the list, or an
+    older checkpoint); _Damaged naming the first listed file that is missing or differs."""
+    listing = step_dir / _FILE_LIST
+    if not listing.is_file():
+        return False
+    for rel, (size, sha) in json.loads(listing.read_text()).items():
+        path = step_dir / rel
+        if not path.is_file():
+            raise _Damaged(f"its file {rel} is missing")
+        if path.stat().st_size != size:
+            raise _Damaged(f"its file {rel} has {path.stat().st_size} bytes, "
+                           f"{size} were written")
+        if _sha256_file(path) != sha:
+            raise _Damaged(f"its file {rel} does not match its SHA-256")
+    return True
+
+
 def _restore_step(mngr, step: int, abstract_state, tc: TrainConfig):
     """(step, state, losses, aux_losses) of one checkpoint; _Damaged if it is unreadable or
     fails its digest, ValueError if it is intact but from another config."""
-    state_dir = Path(mngr.directory) / str(step) / "state"
-    if any(state_dir.glob("ocdbt.process_*")) and not (state_dir / "manifest.ocdbt").is_file():
+    step_dir = Path(mngr.directory) / str(step)
+    state_dir = step_dir / "state"
+    listed = _check_file_list(step_dir)
+    manifest_lost = (any(state_dir.glob("ocdbt.process_*"))
+                     and not (state_dir / "manifest.ocdbt").is_file())
+    if not listed and manifest_lost:
         # checked here: orbax would fail too, but noisily, from its background threads
         raise _Damaged("its OCDBT manifest state/manifest.ocdbt is missing")
     try:
