@@ -16,10 +16,11 @@ activation codes too; the int32 product then runs through
 pytree whose arrays are the stored bytes (int8 codes, packed uint8 nibbles, f32 scales,
 uint8 zero points): nothing dequantized is kept.
 
-Why not `qwix.quantize_model`: servax's model is a pure function over a params dict, not a
-flax module, so qwix's module interception has nothing to intercept; its array-level core
-(`qwix.quantize`, `QArray`, `qwix.dot_general`) fits and is what is used (the tests check
-the W8A8 matmul against `qwix.dot_general` on the same QArrays).
+Why qwix's array-level core (`qwix.quantize`, `QArray`; the tests check the W8A8 matmul
+against `qwix.dot_general` on the same QArrays) rather than `qwix.quantize_model`:
+DynaCore keeps one weight set per phase (`PhaseWeights`) and runs the products through
+its own Pallas kernels. `qwix.quantize_model` does attach to the model through
+`research.model.NnxModel`, and its int8 PTQ codes equal `w8a16()`'s (tests/model).
 """
 from __future__ import annotations
 

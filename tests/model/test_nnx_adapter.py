@@ -1,11 +1,18 @@
-"""The NNX adapter: logits equal the pure forward; NNX state/split/merge round-trip."""
+"""The NNX adapter: logits equal the pure forward; NNX state/split/merge round-trip; qwix
+attaches (PTQ through `qwix.quantize_model` quantizes every projection)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import qwix
 from flax import nnx
 
+from research.dynacore import quantize_weight, w8a16
 from research.model import NnxModel, forward
+from research.model.nnx_adapter import LINEAR_KEYS, QwixLinear
+
+# qwix 0.1.8 reads nnx Variables through flax's deprecated `.value` / VariableState
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:qwix.*")
 from research.tasq import int8_kv
 from research.transforms import calibrate_and_apply
 
@@ -26,10 +33,14 @@ def test_every_weight_is_an_nnx_param_with_the_models_path(smollm2):
     model, _ = smollm2
     module = NnxModel(model)
     flat = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
-    want = {("params",) + tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path): x
-            for path, x in jax.tree_util.tree_leaves_with_path(model.params)}
+    want = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(model.params):
+        names = ("params",) + tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        # a projection is a module: its array is that module's `kernel`
+        want[names + (("kernel",) if names[-1] in LINEAR_KEYS else ())] = x
     assert set(flat) == set(want)
-    assert ("params", "layers", 0, "wq") in flat
+    assert ("params", "layers", 0, "wq", "kernel") in flat
+    assert ("params", "layers", 0, "attn_norm") in flat
     for path, var in flat.items():
         assert var.get_value() is want[path]  # the model's arrays themselves, not copies
 
@@ -44,7 +55,7 @@ def test_split_merge_round_trip_and_updates_reach_forward(tiny):
     # a tool that edits Params (here: zero one projection) changes the forward it runs,
     # and to_model hands the edited weights back to the functional core
     params = nnx.state(again, nnx.Param)
-    params["params"]["layers"][0]["wo"][...] = jnp.zeros_like(tiny.params["layers"][0]["wo"])
+    params["params"]["layers"][0]["wo"]["kernel"][...] = jnp.zeros_like(tiny.params["layers"][0]["wo"])
     nnx.update(again, params)
     edited = again.to_model()
     assert not np.any(np.asarray(edited.params["layers"][0]["wo"]))
@@ -70,7 +81,7 @@ def test_nnx_jit_and_grad_see_the_params(tiny):
         return loss(lambda t: forward(tiny.replace(params=params), t))
 
     want = jax.jit(jax.grad(pure_loss))(tiny.params)
-    np.testing.assert_allclose(np.asarray(grads["params"]["layers"][1]["wq"][...]),
+    np.testing.assert_allclose(np.asarray(grads["params"]["layers"][1]["wq"]["kernel"][...]),
                                np.asarray(want["layers"][1]["wq"]), rtol=1e-4, atol=1e-6)
 
 
@@ -99,3 +110,42 @@ def test_caches_travel_with_the_module_prefill_and_decode(tiny):
 def test_rejects_what_is_not_a_model():
     with pytest.raises(TypeError, match="model must be a research.model.Model"):
         NnxModel({"embed": jnp.zeros((2, 2))})
+
+
+_PROJECTIONS = r".*/(wq|wk|wv|wo|w_gate|w_up|w_down)"
+
+
+def test_qwix_ptq_quantizes_every_projection_on_smollm2(smollm2):
+    """qwix attaches: its int8 PTQ codes are DynaCore's W8A16 codes for every projection,
+    the module runs them, and to_model hands them to the functional core."""
+    model, tok = smollm2
+    tokens = _prompt(tok)
+    rules = [qwix.QuantizationRule(module_path=_PROJECTIONS, weight_qtype=jnp.int8)]
+    quantized = qwix.quantize_model(NnxModel(model), qwix.PtqProvider(rules), tokens)
+    codes = {path[:-3]: v.get_value() for path, v in nnx.to_flat_state(nnx.state(quantized))
+             if path[-1] == "qvalue"}
+    assert len(codes) == 7 * model.config.n_layers
+    for (_, _, layer, name), q in codes.items():  # ("params", "layers", i, name)
+        mine = quantize_weight(model.params["layers"][layer][name], w8a16())
+        np.testing.assert_array_equal(np.asarray(q), np.asarray(mine.qvalue))
+    got = np.asarray(quantized(tokens).logits)
+    f32 = np.asarray(forward(model, tokens).logits)
+    assert not np.array_equal(got, f32)  # the quantized kernels are what runs
+    assert np.argmax(got[0, -1]) == np.argmax(f32[0, -1])
+    pure = quantized.to_model()  # the functional core runs qwix's codes, jitted
+    assert isinstance(pure.params["layers"][4]["w_up"], QwixLinear)
+    run = jax.jit(lambda m, t: forward(m, t).logits)
+    np.testing.assert_allclose(np.asarray(run(pure, tokens)), got, rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("weight, act", [(jnp.int8, jnp.int8), (jnp.int4, None)])
+def test_qwix_w8a8_and_int4_rules_reach_the_functional_core(tiny, weight, act):
+    tokens = jnp.asarray([[3, 1, 4, 1, 5, 9]], jnp.int32)
+    rule = qwix.QuantizationRule(module_path=_PROJECTIONS, weight_qtype=weight,
+                                 act_qtype=act)
+    quantized = qwix.quantize_model(NnxModel(tiny), qwix.PtqProvider([rule]), tokens)
+    got = np.asarray(quantized(tokens).logits)
+    assert np.isfinite(got).all()
+    assert not np.array_equal(got, np.asarray(forward(tiny, tokens).logits))
+    np.testing.assert_allclose(np.asarray(forward(quantized.to_model(act), tokens).logits),
+                               got, rtol=1e-4, atol=1e-4)
