@@ -318,3 +318,25 @@ def test_per_row_sampling_matches_the_batch_filters():
     keys = np.zeros((2, 2), np.uint32)
     toks = jax.jit(sample_per_row)(logits, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), keys)
     np.testing.assert_array_equal(toks, jnp.argmax(logits, -1))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:qwix.*")  # qwix reads `.value`
+def test_a_qwix_quantized_model_serves_with_its_tasq_cache(model):
+    """Composition through public names: qwix int8 PTQ of the projections (through
+    `NnxModel`) over the TaSQ-coded cache; the engine's outputs equal `generate`'s on the
+    same quantized model, and differ from the unquantized model's somewhere."""
+    import qwix
+    from research.model import NnxModel
+    from research.model.nnx_adapter import QwixLinear
+    rule = qwix.QuantizationRule(module_path=r".*/(wq|wk|wv|wo|w_gate|w_up|w_down)",
+                                 weight_qtype=jnp.int8)
+    example = jnp.asarray([TOK.encode(PROMPTS[0])], jnp.int32)
+    served = qwix.quantize_model(NnxModel(model), qwix.PtqProvider([rule]),
+                                 example).to_model()
+    assert isinstance(served.params["layers"][0]["wq"], QwixLinear)
+    assert served.caches == model.caches
+    reqs = _greedy(12, PROMPTS[:4])
+    out = _run(_engine(served), reqs)
+    want = _reference(served, [r.prompt_ids for r in reqs], 12)
+    assert [_tokens(out[r.request_id]) for r in reqs] == want
+    assert want != _reference(model, [r.prompt_ids for r in reqs], 12)
