@@ -44,7 +44,10 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         batch=8, prompt_len=48, decode_steps=8 if small else 32,
         layouts=((2, 3, 1), (8, 1, 1)),  # (data, tensor, expert)
         caches=("f32", "tasq", "paged"), paged_block_size=16,
-        tasq_seq_len=128, tasq_n_seqs=2, tasq_kmeans_iters=4))
+        tasq_seq_len=128, tasq_n_seqs=2, tasq_kmeans_iters=4,
+        # also run each cache on one device with each row alone (batch 1): how much
+        # another batch shape alone changes (XLA:CPU summation order; TaSQ code near-ties)
+        batch_control=True))
     c.moe = ml_collections.ConfigDict(dict(
         dim=64, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=16, top_k=2,
         expert_ffn_dim=128, seq_len=128, batch_size=16, steps=150 if small else 1500,

@@ -128,3 +128,18 @@ def test_real_smollm2_greedy_generation_identical_dp2_tp3(smollm2):
     got = generate(shard_model(model, make_mesh(data=2, tensor=3)), prompts,
                    max_new_tokens=12)
     assert got.tokens == want.tokens
+
+
+def test_scaleout_batch_control_row(params):
+    """The scale-out experiment's control (one device, each row alone) on an f32 cache:
+    it reproduces the batch reference's greedy tokens and reports its own errors."""
+    from experiments.scaleout.experiment import _batch_control, _greedy
+    model = make_model(CONFIG, params)
+    tokens = jax.random.randint(jax.random.key(5), (B, T), 0, CONFIG.vocab_size)
+    lengths = jnp.asarray([T, T - 3, T - 5, T - 1], jnp.int32)
+    ref = _greedy(model, tokens, lengths, 3, MAX_LEN)
+    row = _batch_control(model, tokens, lengths, ref, 3, MAX_LEN)
+    assert row["part"] == "control" and row["devices"] == 1
+    assert row["greedy identical"] == f"{B}/{B}" and row["KV codes equal"] == ""
+    assert row["prefill max|err|"] <= 1e-4 * row["max|logit|"]
+    assert row["decode max|err|"] <= 1e-4 * row["max|logit|"]
