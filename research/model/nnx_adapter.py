@@ -21,13 +21,12 @@ module calls sees every projection. `qwix.quantize_model(NnxModel(m), qwix.PtqPr
 rules), tokens)` quantizes the projections its rules name (module paths such as
 `params/layers/3/wq`); `to_model()` hands back a pure `Model` after a tool changed the
 weights, qwix's quantized kernels as `QwixLinear` weights (`qwix.dot_general` over the
-stored QArray), so the engines serve them. `nnx.state`,
-`nnx.split` and `nnx.merge` round-trip it like any NNX module.
+stored QArray), so the engines serve them. `nnx.state`, `nnx.split` and `nnx.merge`
+round-trip it like any NNX module.
 """
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import qwix
 from flax import nnx
 from flax import struct
@@ -59,10 +58,6 @@ class _CallModule(layers.LinearWeight):
 
     def linear(self, x: Array) -> Array:
         return self.module(x)
-
-
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _wrap(path, x):

@@ -174,7 +174,8 @@ def _save(mngr, step, params, opt_state, losses, aux_losses, tc) -> None:
                                                     meta=ocp.args.JsonSave(meta)))
     if saved:
         mngr.wait_until_finished()  # the step directory is final only now
-        _write_file_list(Path(mngr.directory) / str(step))
+        if jax.process_index() == 0:  # one writer when several processes share the dir
+            _write_file_list(Path(mngr.directory) / str(step))
 
 
 class _Damaged(Exception):
