@@ -143,3 +143,15 @@ def test_scaleout_batch_control_row(params):
     assert row["greedy identical"] == f"{B}/{B}" and row["KV codes equal"] == ""
     assert row["prefill max|err|"] <= 1e-4 * row["max|logit|"]
     assert row["decode max|err|"] <= 1e-4 * row["max|logit|"]
+
+
+def test_scaleout_claims_without_float_caches():
+    """A run of the TaSQ cache alone (no float rows) still reports its claims."""
+    from experiments.scaleout.experiment import _claims
+    row = {"KV codes equal": "0.98", "prefill max|err|": 2.6, "decode max|err|": 3.0,
+           "max|logit|": 35.0, "greedy identical": "6/8", "all-gathers of params/KV": 0}
+    control = {**row, "cache": "dense[tasq]"}
+    claims = {c["claim"]: c for c in _claims([row], [control])}
+    assert not any(name.startswith("sharded logits") for name in claims)
+    assert claims["greedy generation identical"]["met"] == "no"
+    assert any(name.startswith("control:") for name in claims)
