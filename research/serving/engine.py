@@ -426,17 +426,31 @@ class ServingEngine:
 
     # -- scheduling -------------------------------------------------------------------
     def _admit(self) -> None:
-        """Queued requests take free slots while the pool has room for their tokens."""
+        """Queued requests take free slots while the pool has room for their tokens: the
+        free blocks, less those the already admitted prompts still need, must hold the
+        whole prompt. (Counting only today's free blocks admitted every request of a
+        burst at once, and the burst then thrashed by preemption.)"""
+        promised = self._blocks_promised()
         while self._queue:
             free = [s for s in range(self.max_batch) if self.state.slots[s] is None]
             if not free:
                 return
             req = self._queue[0]
             need = -(-(len(req.tokens) + 1) // self.pool.block_size)
-            if self._live and self.pool.n_available() < need:
+            if self._live and self.pool.n_available() - promised < need:
                 return
             self._queue.popleft()
             self._start(req, slot=free[0])
+            promised += self._prompt_blocks_pending(req)
+
+    def _prompt_blocks_pending(self, req: _Req) -> int:
+        """Fresh blocks `req` still needs to hold its whole prompt and first token."""
+        todo = len(req.tokens) + 1 - self.pool.manager.length(req.seq)
+        return self.pool.manager.fresh_blocks_needed({req.seq: todo}) if todo > 0 else 0
+
+    def _blocks_promised(self) -> int:
+        return sum(self._prompt_blocks_pending(r) for r in self._live.values()
+                   if r.state == PREFILLING and r.seq is not None)
 
     def _start(self, req: _Req, slot: int | None) -> None:
         """Queued/preempted -> prefilling: adopt the cached prefix, reserve the slot."""

@@ -136,12 +136,14 @@ def test_staggered_continuous_batching_equals_generate(engine, model):
 
 
 def test_preemption_by_recompute_gives_the_same_tokens(engine, model):
-    prompts = [(p * 2)[:40] for p in PROMPTS[:4]]
-    reqs = _greedy(12, prompts)
+    # 24-token prompts (4 blocks each with the first token): two are admitted into the 10
+    # blocks, and growing to 44 tokens (6 blocks each) while decoding they run out
+    prompts = [(p * 12)[:24] for p in PROMPTS[:4]]
+    reqs = _greedy(20, prompts)
     before = engine.metrics().preemptions
     out = _run(engine, reqs)
-    assert engine.metrics().preemptions > before  # 4 x ~6 blocks do not fit 10 blocks
-    want = _reference(model, [r.prompt_ids for r in reqs], 12)
+    assert engine.metrics().preemptions > before
+    want = _reference(model, [r.prompt_ids for r in reqs], 20)
     for r, w in zip(reqs, want):
         assert _tokens(out[r.request_id]) == w
     assert engine.spec_stats.drafted > 0  # greedy requests decoded speculatively
@@ -340,3 +342,25 @@ def test_a_qwix_quantized_model_serves_with_its_tasq_cache(model):
     want = _reference(served, [r.prompt_ids for r in reqs], 12)
     assert [_tokens(out[r.request_id]) for r in reqs] == want
     assert want != _reference(model, [r.prompt_ids for r in reqs], 12)
+
+
+def test_a_burst_is_admitted_only_as_far_as_the_pool_holds_its_prompts(engine, model):
+    """4 requests at once whose prompts need 4 of the pool's 10 blocks each: two start,
+    the others wait in the queue (admitting all four made them preempt each other), and
+    every one still finishes with generate's tokens."""
+    prompts = [(p * 16)[:30] for p in PROMPTS[:4]]
+    reqs = [Request(f"burst{i}", tuple(TOK.encode(p)), SamplingParams(max_new_tokens=4))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    preempted0 = engine.metrics().preemptions
+    out, peak = {}, 0
+    while engine.has_work():
+        for e in engine.step():
+            out.setdefault(e.request_id, []).append(e)
+        peak = max(peak, engine.metrics().running)
+    assert peak == 2
+    assert engine.metrics().preemptions == preempted0
+    want = _reference(model, [r.prompt_ids for r in reqs], 4)
+    assert [_tokens(out[r.request_id]) for r in reqs] == want
+    assert engine.metrics().kv_blocks_used == 0
