@@ -336,8 +336,23 @@ def _report(config, rows, claims, moe_losses, times):
     tput = [r for r in rows if r["part"] == "throughput"]
     modeled = [r for r in rows if r["kind"] == "modeled"]
 
+    coded = [r for r in rows if r["part"] in ("equivalence", "control")
+             and r.get("KV codes equal")]
+
     def plot(fig):
-        axes = iter(fig.subplots(1, int(bool(tput)) + int(bool(modeled)), squeeze=False)[0])
+        panels = int(bool(tput)) + int(bool(modeled)) + int(bool(coded) and not
+                                                            (tput or modeled))
+        if not panels:
+            return
+        axes = iter(fig.subplots(1, panels, squeeze=False)[0])
+        if coded and not (tput or modeled):  # an equivalence-only run: codes written alike
+            ax = next(axes)
+            ax.bar([r["layout"] for r in coded],
+                   [100 * float(r["KV codes equal"]) for r in coded])
+            ax.set_xlabel("layout (vs one device at batch B)")
+            ax.set_ylabel("KV codes written identically (%)")
+            ax.set_ylim(95, 100)
+            ax.set_title("measured, TaSQ codes", fontsize=9)
         if tput:
             ax = next(axes)
             ax.bar([str(r["devices"]) for r in tput], [r["decode tok/s"] for r in tput])

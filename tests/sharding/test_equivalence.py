@@ -155,3 +155,23 @@ def test_scaleout_claims_without_float_caches():
     assert not any(name.startswith("sharded logits") for name in claims)
     assert claims["greedy generation identical"]["met"] == "no"
     assert any(name.startswith("control:") for name in claims)
+
+
+def test_scaleout_report_of_an_equivalence_only_run(tmp_path):
+    """results.json/table/plot of a TaSQ-only equivalence run (no throughput or roofline
+    part) are written; the plot shows the codes written alike per layout."""
+    import ml_collections
+
+    from experiments import common
+    from experiments.scaleout.experiment import _claims, _report
+    rows = [{"part": p, "kind": "measured", "model": "SmolLM2-135M", "layout": lay,
+             "devices": d, "cache": "dense[tasq]", "KV codes equal": codes,
+             "prefill max|err|": 2.6, "decode max|err|": 3.0, "max|logit|": 35.0,
+             "greedy identical": "6/8", "all-gathers of params/KV": 0}
+            for p, lay, d, codes in (("control", "dp1, rows one at a time", 1, "0.983"),
+                                     ("equivalence", "dp8", 8, "0.983"))]
+    config = ml_collections.ConfigDict({"parts": ("equivalence",)})
+    report = _report(config, rows, _claims(rows[1:], rows[:1]), None, None)
+    common.save_plot(report.plot, report.columns, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert "dp1, rows one at a time" in common.markdown_table(report.columns, report.rows)
