@@ -12,13 +12,13 @@ report to --out.
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments import distributed
 
 
 def _inputs(seed: int, n_tokens: int, dim: int, n_experts: int, ffn: int):
@@ -80,25 +80,10 @@ def run_check(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--process_id", type=int, required=True)
-    parser.add_argument("--num_processes", type=int, default=2)
-    parser.add_argument("--coordinator", default="localhost:12355")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = distributed.parser(__doc__.splitlines()[0], detect_cluster=False)
     parser.add_argument("--n_tokens", type=int, default=64)
     parser.add_argument("--n_experts", type=int, default=16)
-    args = parser.parse_args(argv)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_default_matmul_precision", "highest")
-    jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes, process_id=args.process_id)
-    try:
-        report = run_check(args)
-    finally:
-        jax.distributed.shutdown()
-    with open(args.out, "w") as f:
-        json.dump(report, f)
+    distributed.run(parser.parse_args(argv), run_check)
 
 
 if __name__ == "__main__":

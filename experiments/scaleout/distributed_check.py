@@ -19,12 +19,11 @@ with each host's `--process_id`, or, on Cloud TPU (and SLURM / Open MPI launches
 """
 from __future__ import annotations
 
-import argparse
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments import distributed
 
 
 def run_check(args) -> dict:
@@ -71,30 +70,9 @@ def run_check(args) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--process_id", type=int, default=None,
-                        help="this process's id; omit to let jax.distributed.initialize() "
-                             "detect the cluster (Cloud TPU, SLURM, Open MPI)")
-    parser.add_argument("--num_processes", type=int, default=2)
-    parser.add_argument("--coordinator", default="localhost:12355")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = distributed.parser(__doc__.splitlines()[0], detect_cluster=True)
     parser.add_argument("--tensor", type=int, default=4, help="tensor-parallel degree")
-    args = parser.parse_args(argv)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts only
-    jax.config.update("jax_default_matmul_precision", "highest")
-    if args.process_id is None:
-        jax.distributed.initialize()
-    else:
-        jax.distributed.initialize(coordinator_address=args.coordinator,
-                                   num_processes=args.num_processes,
-                                   process_id=args.process_id)
-    try:
-        report = run_check(args)
-    finally:
-        jax.distributed.shutdown()
-    with open(args.out, "w") as f:
-        json.dump(report, f)
+    distributed.run(parser.parse_args(argv), run_check)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from kernels_pallas.grouped_matmul import metadata
+from kernels_pallas.tiling import TileSizes, round_up
 
 BACKENDS = ("mosaic_tpu", "triton")
 _NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
@@ -44,21 +45,12 @@ _TN = (((0,), (0,)), ((), ()))  # [m, k] x [m, n] -> [k, n]
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class BlockSizes(TileSizes):
     """Tile sizes: rows (bm), contraction (bk), output columns (bn)."""
 
     bm: int = 128
     bk: int = 128
     bn: int = 128
-
-    def __post_init__(self):
-        for name in ("bm", "bk", "bn"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BlockSizes.{name} must be >= 1, got {getattr(self, name)}")
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def _next_pow2(x: int) -> int:
@@ -75,7 +67,7 @@ def fit_block(block: int, dim: int, backend: str, sublane: bool, strict: bool = 
             raise ValueError(f"triton blocks must be powers of two, got {block}")
         return max(16, min(block, _next_pow2(dim)))
     if sublane:  # row tiles: a multiple of 8
-        return min(_round_up(block, 8), _round_up(dim, 8))
+        return min(round_up(block, 8), round_up(dim, 8))
     if dim <= block:
         return dim  # the full dimension is always a legal block
     if block % (128 if strict else 8):
@@ -218,7 +210,7 @@ def gmm(lhs: Float[Array, "M K"], rhs: Float[Array, "G K N"], group_sizes: Int[A
     bm = fit_block(block_sizes.bm, m, backend, sublane=True)
     bk = fit_block(block_sizes.bk, kdim, backend, sublane=False, strict=not interpret)
     bn = fit_block(block_sizes.bn, n, backend, sublane=False, strict=not interpret)
-    mp, kp, np_ = _round_up(m, bm), _round_up(kdim, bk), _round_up(n, bn)
+    mp, kp, np_ = round_up(m, bm), round_up(kdim, bk), round_up(n, bn)
     lhs_p = _pad(lhs, (mp, kp))
     rhs_p = _pad(rhs, (n_groups, np_, kp) if transpose_rhs else (n_groups, kp, np_))
     visits = metadata.gmm_visits(group_sizes, m, mp, bm)
@@ -321,7 +313,7 @@ def tgmm(lhs: Float[Array, "M K"], dout: Float[Array, "M N"], group_sizes: Int[A
     bm = fit_block(block_sizes.bm, m, backend, sublane=True)
     bk = fit_block(block_sizes.bk, kdim, backend, sublane=False, strict=not interpret)
     bn = fit_block(block_sizes.bn, n, backend, sublane=False, strict=not interpret)
-    mp, kp, np_ = _round_up(m, bm), _round_up(kdim, bk), _round_up(n, bn)
+    mp, kp, np_ = round_up(m, bm), round_up(kdim, bk), round_up(n, bn)
     lhs_p, dout_p = _pad(lhs, (mp, kp)), _pad(dout, (mp, np_))
     visits = metadata.tgmm_visits(group_sizes, m, mp, bm)
     impl = _tgmm_triton if backend == "triton" else _tgmm_mosaic

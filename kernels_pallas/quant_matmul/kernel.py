@@ -30,27 +30,19 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.quant_matmul.reference import SYMMETRIC_ZERO
+from kernels_pallas.tiling import TileSizes, round_up
 
 BACKENDS = ("mosaic_tpu", "triton")
 _NN = (((1,), (0,)), ((), ()))
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class BlockSizes(TileSizes):
     """Tile sizes: rows (bm), contraction (bk, unpacked rows of K), output columns (bn)."""
 
     bm: int = 128
     bk: int = 512
     bn: int = 256
-
-    def __post_init__(self):
-        for name in ("bm", "bk", "bn"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BlockSizes.{name} must be >= 1, got {getattr(self, name)}")
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def _pow2_at_least(x: int, floor: int = 16) -> int:
@@ -113,10 +105,10 @@ def int8_matmul(xq, x_scale, wq, w_scale, *, block_sizes: BlockSizes = BlockSize
         bk = _pow2_at_least(min(block_sizes.bk, kdim), 32)
         bn = _pow2_at_least(min(block_sizes.bn, n))
     else:
-        bm = min(_round_up(block_sizes.bm, 32), _round_up(m, 32))  # int8 sublane tile: 32
+        bm = min(round_up(block_sizes.bm, 32), round_up(m, 32))  # int8 sublane tile: 32
         bk = _lane_block(block_sizes.bk, kdim, strict)
         bn = _lane_block(block_sizes.bn, n, strict)
-    mp, kp, np_ = _round_up(m, bm), _round_up(kdim, bk), _round_up(n, bn)
+    mp, kp, np_ = round_up(m, bm), round_up(kdim, bk), round_up(n, bn)
     xq_p, wq_p = _pad(xq, (mp, kp)), _pad(wq, (kp, np_))
     xs_p = _pad(x_scale.astype(jnp.float32), (mp, 1))
     ws_p = _pad(w_scale.astype(jnp.float32), (1, np_))
@@ -230,13 +222,13 @@ def int4_matmul(x, packed, scale, zero, *, group_size: int,
         bk2 = max(64, half)  # a power of two, a whole number of groups, >= 16 for tl.dot
         bn = _pow2_at_least(min(block_sizes.bn, n))
     else:
-        bm = min(_round_up(block_sizes.bm, 8), _round_up(m, 8))
+        bm = min(round_up(block_sizes.bm, 8), round_up(m, 8))
         # 8 groups per block: the scale block's sublane dim is 8 (or the whole K/G)
         bk2 = k2 if k2 <= 8 * half else 8 * half
         if interpret:
             bk2 = min(bk2, max(half, (block_sizes.bk // 2) // half * half))
         bn = _lane_block(block_sizes.bn, n, not interpret)
-    mp, k2p, np_ = _round_up(m, bm), _round_up(k2, bk2), _round_up(n, bn)
+    mp, k2p, np_ = round_up(m, bm), round_up(k2, bk2), round_up(n, bn)
     ng, ngp = k2 // half, k2p // half
     x_lo, x_hi = split_activation(x, group_size)
     x_lo, x_hi = _pad(x_lo, (mp, k2p)), _pad(x_hi, (mp, k2p))
