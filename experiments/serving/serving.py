@@ -1,7 +1,8 @@
 r"""servax serve: latency/throughput of the continuous-batching engine and its server.
 
 Command:   python -m experiments.run --config=experiments/serving/serving.py:small
-Hardware:  CPU. small = ~15 minutes on 2 busy cores (4-24 requests per point);
+Hardware:  CPU. small = ~40 minutes on 2 busy cores (4-64 requests per point; the
+           tasq section's 64 requests ~25 of them);
            full = the same sections with ~4x the requests and a wider rate sweep.
 Sections (one run each, SmolLM2-135M-Instruct, f32 weights):
   sweep      the HTTP server (real uvicorn, streaming /v1/completions) under seeded
