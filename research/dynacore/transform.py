@@ -12,7 +12,7 @@ once; `weight_bytes` reports it separately.
 
 State (what `calibrate` returns, savable with orbax: `save_state` / `restore_state`):
 {"fingerprint": f32 [n_weights, 2] (sum and sum of squares of each float weight it was
-made from), "weights": {"<layer>/<name>": {"qvalue", "scale"[, "zero"]}}}. `apply` checks
+made from), "weights": {"<layer>/<name>": {"qvalue", "scale"[, "zero"][, "act_scale"]}}}. `apply` checks
 the fingerprint against the model it is given: quantized weights applied to another
 model are an error, not a silently wrong model.
 
@@ -28,14 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from research.dynacore.calib import input_stats
+from research.dynacore.gptq import ZERO_DTYPE
 from research.dynacore.quant import (QuantConfig, QuantizedLinear, check_finite_scale,
                                      quantize_weight)
 from research.model.layers import LinearWeight
 from research.model.llama import Model
-from research.transforms import Transform
+from research.transforms import CalibrationData, Transform
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FINGERPRINT_RTOL = 1e-2  # bf16 vs f32 copies of one model agree to ~1e-3
+STATE_ARRAYS = ("qvalue", "scale", "zero", "act_scale")  # QuantizedLinear's, in order
 
 
 def linear_weights(model: Model) -> dict[str, jax.Array]:
@@ -68,15 +71,29 @@ def _sums(ws):
                                  jnp.sum(jnp.square(w.astype(jnp.float32)))]) for w in ws])
 
 
-def calibrate_weights(model: Model, config: QuantConfig) -> dict:
+def calibration_stats(model: Model, configs, data) -> dict | None:
+    """Input statistics of every linear layer when any config needs them, else None."""
+    if not any(c is not None and c.needs_data for c in configs):
+        return None
+    names = ", ".join(c.name for c in configs if c is not None and c.needs_data)
+    if data is None:
+        raise ValueError(f"{names} needs calibration data: pass a CalibrationData "
+                         "(research.transforms) as calibrate's data")
+    if not isinstance(data, CalibrationData):
+        raise TypeError(f"data must be a CalibrationData for {names}, got "
+                        f"{type(data).__name__}")
+    data.validate()
+    return input_stats(model, linear_weights(model), data.tokens, data.lengths)
+
+
+def calibrate_weights(model: Model, config: QuantConfig, stats: dict | None = None) -> dict:
     weights = linear_weights(model)
     state = {}
     for key, w in weights.items():
-        q = quantize_weight(w, config, name=f"params {key}")
-        entry = {"qvalue": q.qvalue, "scale": q.scale}
-        if q.zero is not None:
-            entry["zero"] = q.zero
-        state[key] = entry
+        q = quantize_weight(w, config, name=f"params {key}",
+                            stats=None if stats is None else stats[key])
+        state[key] = {name: getattr(q, name) for name in STATE_ARRAYS
+                      if getattr(q, name) is not None}
     return {"fingerprint": fingerprint(weights), "weights": state}
 
 
@@ -100,23 +117,27 @@ def _check_state(model: Model, state, config: QuantConfig) -> dict[str, jax.Arra
     for key, entry in state["weights"].items():
         k, n = weights[key].shape
         want = (k, n) if config.weight_bits == 8 else (k // 2, n)
-        if tuple(entry["qvalue"].shape) != want or ("zero" in entry) != (
-                config.weight_bits == 4 and config.zero_point):
-            raise ValueError(f"state weight {key} (codes {tuple(entry['qvalue'].shape)}) "
-                             f"does not match {config.name} for a [{k}, {n}] weight")
+        zero_dtype = ZERO_DTYPE[config.zero_point] if config.weight_bits == 4 else None
+        if (tuple(entry["qvalue"].shape) != want or ("zero" in entry) != (
+                zero_dtype is not None) or ("act_scale" in entry) != (
+                config.smooth is not None) or (
+                zero_dtype is not None and np.dtype(entry["zero"].dtype) != zero_dtype)):
+            raise ValueError(f"state weight {key} (arrays {sorted(entry)}, codes "
+                             f"{tuple(entry['qvalue'].shape)}) does not match "
+                             f"{config.name} for a [{k}, {n}] weight")
         check_finite_scale(entry["scale"], f"state weight {key}")
     return weights
 
 
 def _quantized(model: Model, state, config: QuantConfig) -> dict[str, QuantizedLinear]:
     weights = _check_state(model, state, config)
-    return {key: QuantizedLinear(jnp.asarray(e["qvalue"]), jnp.asarray(e["scale"]),
-                                 None if "zero" not in e else jnp.asarray(e["zero"]),
+    return {key: QuantizedLinear(*(None if e.get(name) is None else jnp.asarray(e[name])
+                                   for name in STATE_ARRAYS),
                                  config, tuple(weights[key].shape))
             for key, e in state["weights"].items()}
 
 
-def _replace_weights(model: Model, new: dict, tag: str) -> Model:
+def replace_weights(model: Model, new: dict, tag: str) -> Model:
     params = dict(model.params)
     layers = [dict(p) for p in params["layers"]]
     for key, w in new.items():
@@ -130,16 +151,17 @@ def _replace_weights(model: Model, new: dict, tag: str) -> Model:
 
 
 def quantize(config: QuantConfig) -> Transform:
-    """Every linear weight quantized with `config` (module docstring). No data needed."""
+    """Every linear weight quantized with `config` (module docstring). Calibration data
+    (a CalibrationData) is needed when `config.needs_data` (GPTQ, SmoothQuant)."""
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be a QuantConfig (w8a8(), w8a16(), w4a16(g)), got "
                         f"{type(config).__name__}")
 
     def calibrate(model, data):
-        return calibrate_weights(model, config)
+        return calibrate_weights(model, config, calibration_stats(model, [config], data))
 
     def apply(model, state):
-        return _replace_weights(model, _quantized(model, state, config), config.name)
+        return replace_weights(model, _quantized(model, state, config), config.name)
 
     return Transform(calibrate, apply, config.name)
 
@@ -174,7 +196,8 @@ def dynacore(prefill: QuantConfig | None, decode: QuantConfig | None) -> Transfo
                             f"{type(cfg).__name__}")
 
     def calibrate(model, data):
-        return tuple(None if c is None else calibrate_weights(model, c)
+        stats = calibration_stats(model, (prefill, decode), data)  # shared by both sets
+        return tuple(None if c is None else calibrate_weights(model, c, stats)
                      for c in (prefill, decode))
 
     def apply(model, state):
@@ -185,7 +208,7 @@ def dynacore(prefill: QuantConfig | None, decode: QuantConfig | None) -> Transfo
                 for c, s in zip((prefill, decode), state)]
         new = {key: PhaseWeights(sets[0][key], sets[1][key]) for key in floats}
         name = lambda c: "f32" if c is None else c.name  # noqa: E731
-        return _replace_weights(model, new, f"dynacore({name(prefill)}|{name(decode)})")
+        return replace_weights(model, new, f"dynacore({name(prefill)}|{name(decode)})")
 
     name = f"dynacore({'f' if prefill is None else prefill.name}|" \
            f"{'f' if decode is None else decode.name})"
