@@ -32,7 +32,8 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.quality = ml_collections.ConfigDict(dict(
         window=256, n_prefill=128, dev_windows=4 if small else 8,
         test_windows=8 if small else 32, batch_size=4,
-        group_sizes=(32, 64, 128), dev_group=64))
+        group_sizes=(32, 64, 128), dev_group=64, dev_smooth=(0.3, 0.5, 0.8),
+        cal_seqs=16))
     c.speed = ml_collections.ConfigDict(dict(
         threads=1, prompt=128 if small else 256, context=128, decode=16 if small else 32,
         batches="1,8", repeats=3 if small else 7, group=64,

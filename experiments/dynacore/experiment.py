@@ -5,6 +5,7 @@ disaggregation costs (KV size, transfer, a measured two-process handoff, crossov
 billing)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -25,23 +26,33 @@ from research.dynacore import (BF16, GPUS, H200, LINKS, LLAMA_31_70B, W4A16_G64,
                                evaluate_pairs, kv_bytes, quantize, request_cost,
                                tasq_codebook_bytes, tpot_s, transfer_s, ttft_s, w4a16, w8a8,
                                w8a16, weight_bytes, windows)
+from research.dynacore.gptq import ZERO_POINTS
+from research.dynacore.quant import METHODS, QuantConfig
+from research.dynacore.transform import calibrate_weights, calibration_stats
 from research.model import default_gguf_path, load
 from research.serving.generate import decode_loop, prefill
 from research.serving.sampling import SamplingConfig
 from research.transforms import CalibrationData, calibrate_and_apply
 
 TECHNIQUE = "dynacore"
-# W4A16 zero points on/off are chosen inside each run on its dev windows (disjoint from
-# the test windows, quality.choose_zero_point), recorded in extra.quality
+# the W8A8 SmoothQuant strength and the W4A16 grid and method are chosen inside each run on
+# its dev windows (disjoint from the test windows, `choose_on_dev`), recorded in
+# extra.quality.dev_rows
 DEFAULTS_CHOSEN_ON = ("python -m experiments.run --config=experiments/dynacore/dynacore.py:"
-                      "small (its dev windows: extra.quality.dev_zero_point_rows)")
+                      "small (its dev windows: extra.quality.dev_rows)")
 
 
 def defaults(config) -> dict:
-    """DynaCore's settings: the prefill and decode schemes and the quality protocol."""
+    """DynaCore's settings: the candidates each phase's scheme is chosen from on dev, the
+    calibration data and the quality protocol."""
     q = config.quality
-    return {"prefill": "W8A8 (int8 per-channel weights, per-token int8 activations)",
-            "decode": f"W4A16 g{q.dev_group}, zero points chosen on dev",
+    return {"prefill": "W8A8 (int8 per-channel weights, per-token int8 activations), "
+                       f"SmoothQuant strength chosen on dev among {tuple(q.dev_smooth)} "
+                       "and off",
+            "decode": f"W4A16 g{q.dev_group}, grid (zero point none/int/float) and method "
+                      "(rtn/gptq) chosen on dev",
+            "choice": "lowest dev KL(f32 || setting) on decoded tokens",
+            "calibration": f"{q.cal_seqs} x {q.window} tokens of the calibration split",
             "window": q.window, "n_prefill": q.n_prefill, "dev_windows": q.dev_windows,
             "test_windows": q.test_windows}
 
@@ -53,31 +64,48 @@ F32 = "f32"
 
 # -- quality ---------------------------------------------------------------------------
 
-class Models:
-    """Single-setting models, built once (name -> Model; None name = f32)."""
+def spec(cfg) -> dict:
+    """A QuantConfig as JSON (saved sections, the speed subprocess): QuantConfig(**spec)."""
+    return dataclasses.asdict(cfg)
 
-    def __init__(self, model):
-        self.f32 = model
+
+class Models:
+    """Single-setting models, built once (name -> Model). The data-aware settings share
+    one pass of calibration statistics: the transform's calibrate, split in its two
+    steps (`calibration_stats`, `calibrate_weights`), then its apply."""
+
+    def __init__(self, model, cal):
+        self.f32, self.cal, self.stats = model, cal, None
         self.cache = {F32: model, "bf16": model.astype(jnp.bfloat16)}
 
     def get(self, cfg):
         if isinstance(cfg, str):
             return self.cache[cfg]
         if cfg.name not in self.cache:
-            self.cache[cfg.name], _ = calibrate_and_apply(quantize(cfg), self.f32, None)
+            if cfg.needs_data and self.stats is None:
+                self.stats = calibration_stats(self.f32, [cfg], self.cal)
+            state = calibrate_weights(self.f32, cfg, self.stats if cfg.needs_data else None)
+            self.cache[cfg.name] = quantize(cfg).apply(self.f32, state)
         return self.cache[cfg.name]
 
 
-def choose_zero_point(models: Models, dev, q) -> tuple[bool, list[dict]]:
-    """On dev windows only: W4A16 at the dev group size with and without zero points."""
-    cands = {zp: w4a16(q.dev_group, zero_point=zp) for zp in (True, False)}
-    pairs = {cfg.name: (models.get(cfg), models.get(cfg)) for cfg in cands.values()}
-    ref = (models.f32, models.f32)
-    scores = evaluate_pairs(pairs, ref, dev, q.n_prefill, q.batch_size)
-    rows = [{"setting": name, "ppl decoded": s.ppl_decode, "KL decoded": s.kl_decode}
+def choose_on_dev(models: Models, dev, q):
+    """On dev windows only: W8A8 with SmoothQuant off or at each strength, and W4A16 at
+    the dev group size on each grid with each method; the lowest KL on decoded tokens wins
+    in each family. Returns (w8 config, w4 config, dev rows)."""
+    w8s = [w8a8()] + [w8a8(smooth=a) for a in q.dev_smooth]
+    w4s = [w4a16(q.dev_group, zero_point=zp, method=m) for zp in ZERO_POINTS
+           for m in METHODS]
+    pairs = {c.name: (models.get(c), models.get(c)) for c in w8s + w4s}
+    scores = evaluate_pairs(pairs, (models.f32, models.f32), dev, q.n_prefill,
+                            q.batch_size)
+    ref = evaluate_pairs({F32: (models.f32, models.f32)}, (models.f32, models.f32), dev,
+                         q.n_prefill, q.batch_size)[F32]
+    rows = [{"setting": name, "ppl all": s.ppl_all, "ppl decoded": s.ppl_decode,
+             "dppl all %": 100 * (s.ppl_all / ref.ppl_all - 1), "KL decoded": s.kl_decode}
             for name, s in scores.items()]
-    best = min(cands, key=lambda zp: scores[cands[zp].name].kl_decode)
-    return best, rows
+    best = lambda cs: min(cs, key=lambda c: scores[c.name].kl_decode)  # noqa: E731
+    return best(w8s), best(w4s), rows
 
 
 def quality(model, tok, config):
@@ -85,30 +113,38 @@ def quality(model, tok, config):
     ids = tok.encode(data.corpus_text("heldout"))
     dev = windows(ids, q.window, q.dev_windows, 0)
     test = windows(ids, q.window, q.test_windows, q.dev_windows)  # disjoint by offset
-    models = Models(model)
-    zp, dev_rows = choose_zero_point(models, dev, q)
-    settings = {F32: F32, "bf16": "bf16", "W8A8": w8a8(), "W8A16": w8a16()}
+    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), q.window,
+                                   q.cal_seqs)
+    models = Models(model, cal)
+    w8, w4, dev_rows = choose_on_dev(models, dev, q)
+    settings = {F32: F32, "bf16": "bf16"}
+    if w8.smooth is not None:
+        settings["W8A8"] = w8a8()  # the plain scheme beside the chosen one
+    settings.update({w8.name: w8, "W8A16": w8a16()})
+    baseline_w4 = w4a16(q.dev_group)  # round to nearest, integer zero (qwix minmax)
+    if baseline_w4.name != w4.name:
+        settings[baseline_w4.name] = baseline_w4
     skipped = {}
     for g in q.group_sizes:
-        cfg = w4a16(g, zero_point=zp)
+        cfg = w4a16(g, zero_point=w4.zero_point, method=w4.method)
         try:
             models.get(cfg)
             settings[cfg.name] = cfg
         except ValueError as e:  # e.g. g=128 does not divide SmolLM2's 576-wide inputs
             skipped[cfg.name] = str(e)
-    w4 = w4a16(q.dev_group, zero_point=zp)
     # rows: every single setting, DynaCore, then the handoff matrix's mixed pairs
     pairs = {name: (name, name) for name in settings}
-    pairs[f"DynaCore (W8A8 | {w4.name})"] = ("W8A8", w4.name)
-    for p in (F32, "W8A8", w4.name):
-        for d in (F32, "W8A8", w4.name):
-            if p != d and (p, d) != ("W8A8", w4.name):
+    dc_name = f"DynaCore ({w8.name} | {w4.name})"
+    pairs[dc_name] = (w8.name, w4.name)
+    for p in (F32, w8.name, w4.name):
+        for d in (F32, w8.name, w4.name):
+            if p != d and (p, d) != (w8.name, w4.name):
                 pairs[f"handoff {p} -> {d}"] = (p, d)
     get = lambda n: models.get(settings.get(n, n))  # noqa: E731
     built = {}
     for name, (p, d) in pairs.items():
-        if (p, d) == ("W8A8", w4.name):  # the real dynacore transform: one model, two sets
-            dc, _ = calibrate_and_apply(dynacore(w8a8(), w4), model, None)
+        if name == dc_name:  # the real dynacore transform: one model, two sets
+            dc, _ = calibrate_and_apply(dynacore(w8, w4), model, cal)
             built[name] = (dc.prefill_model, dc.decode_model)
             dc_bytes = weight_bytes(dc)["linear"]
         else:
@@ -120,7 +156,7 @@ def quality(model, tok, config):
     rows = []
     for name, (p, d) in pairs.items():
         s = scores[name]
-        mb = (dc_bytes if name.startswith("DynaCore") else
+        mb = (dc_bytes if name == dc_name else
               weight_bytes(get(p))["linear"] if p == d else float("nan")) / 1e6
         rows.append({"setting": name, "prefill": p, "decode": d, "linear MB": mb,
                      "ppl all": s.ppl_all, "ppl decoded": s.ppl_decode,
@@ -128,16 +164,17 @@ def quality(model, tok, config):
                      "KL decoded": s.kl_decode, "KL prefill": s.kl_prefill, "note": ""})
     for name, err in skipped.items():
         rows.append({"setting": name, "note": "not run: " + err})
-    extra = {"dev_zero_point_rows": dev_rows, "zero_point": zp, "eval_s": elapsed,
+    extra = {"dev_rows": dev_rows, "w8a8": spec(w8), "w4a16": spec(w4), "eval_s": elapsed,
              "n_test_windows": int(len(test)), "n_dev_windows": int(len(dev)),
+             "calibration_tokens": int(cal.tokens.size),
              "embed_MB": weight_bytes(model)["embed"] / 1e6,
              "decoded_tokens": f32.n_decode_tokens, "prefill_tokens": f32.n_prefill_tokens}
-    return rows, extra, w4
+    return rows, extra, w8, w4
 
 
 # -- speed -----------------------------------------------------------------------------
 
-def speed(config, out_dir, w4name):
+def speed(config, out_dir, w8, w4):
     s = config.speed
     gguf = config.gguf_path or str(default_gguf_path())
     flags = (f"--xla_cpu_multi_thread_eigen={'true' if s.threads > 1 else 'false'} "
@@ -146,9 +183,9 @@ def speed(config, out_dir, w4name):
     path = os.path.join(out_dir, "speed.json")
     subprocess.run([sys.executable, "-m", "experiments.dynacore.speed", "--out", path,
                     "--gguf", gguf, "--prompt", str(s.prompt), "--context", str(s.context),
-                    "--decode", str(s.decode), "--batches", s.batches, "--group",
-                    str(s.group), "--repeats", str(s.repeats),
-                    "--decode_variants", f"f32,{w4name}"], check=True, env=env)
+                    "--decode", str(s.decode), "--batches", s.batches,
+                    "--repeats", str(s.repeats), "--w8", json.dumps(spec(w8)),
+                    "--w4", json.dumps(spec(w4))], check=True, env=env)
     with open(path) as f:
         sp = json.load(f)
     peer = None
@@ -339,20 +376,21 @@ def run(config, out_dir=None) -> common.Report:
     if unknown:
         raise ValueError(f"config.sections: unknown {sorted(unknown)}; expected a comma list "
                          "of quality, hlo, speed, handoff")
-    # the HLO check does not depend on the quality section's dev choice: zero points on
+    # the HLO check does not depend on the quality section's dev choice: the structure
+    # (dequantize, then dot) is the same on every grid; round to nearest, integer zeros
     hlo_out = _section(out_dir, "hlo", "hlo" in sections, lambda: hlo_check(
-        model_tok()[0], w4a16(config.quality.dev_group, zero_point=True)))
+        model_tok()[0], w4a16(config.quality.dev_group)))
     quality_out = _section(out_dir, "quality", "quality" in sections, lambda: (
-        lambda r: (r[0], r[1], r[2].zero_point))(quality(*model_tok(), config)))
+        lambda r: (r[0], r[1], spec(r[2]), spec(r[3])))(quality(*model_tok(), config)))
     if quality_out is None:
         raise ValueError("the quality section was neither computed nor saved: include "
                          "'quality' in config.sections")
-    q_rows, q_extra, zp = quality_out
-    w4 = w4a16(config.quality.dev_group, zero_point=zp)
+    q_rows, q_extra = quality_out[:2]
+    w8, w4 = (QuantConfig(**c) for c in quality_out[2:])
     pre_rows, dec_rows = roofline_tables(config)
     calc_rows, d_extra = disagg_tables(config)
     speed_out = _section(out_dir, "speed", "speed" in sections,
-                         lambda: speed(config, out_dir, w4.name))
+                         lambda: speed(config, out_dir, w8, w4))
     hand_rows = _section(out_dir, "handoff", "handoff" in sections,
                          lambda: measured_handoff(*model_tok(), config))
     s_rows, s_extra = speed_out if speed_out is not None else (None, None)
@@ -360,7 +398,7 @@ def run(config, out_dir=None) -> common.Report:
         s_extra = {"speed": {"hlo_w4a16": hlo_out["w4a16"], "hlo_f32": hlo_out["f32"]},
                    "peer": None}
     claims, notes = make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows,
-                                w4, q_extra, d_extra)
+                                w8, w4, q_extra, d_extra)
     notes += [f"section {m!r} was not run (config.sections={config.sections!r}); its table "
               "is absent" for m in MISSING]
     tables = []
@@ -391,15 +429,15 @@ def run(config, out_dir=None) -> common.Report:
                "missing_sections": list(MISSING)})
 
 
-def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w4, q_extra,
+def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w8, w4, q_extra,
                 d_extra):
     by = {r["setting"]: r for r in q_rows}
     f32 = by[F32]
     pct = lambda n, k="ppl all": 100 * (by[n][k] / f32[k] - 1)  # noqa: E731
     dc = next(r for r in q_rows if r["setting"].startswith("DynaCore"))
     claims = [
-        common.claim("W8A8 ppl within 1% of f32 (all tokens)", "<= 1%",
-                     f"{pct('W8A8'):+.2f}%", abs(pct("W8A8")) <= 1),
+        common.claim(f"{w8.name} ppl within 1% of f32 (all tokens)", "<= 1%",
+                     f"{pct(w8.name):+.2f}%", abs(pct(w8.name)) <= 1),
         common.claim(f"{w4.name} ppl within 5% of f32", "<= 5%", f"{pct(w4.name):+.2f}%",
                      abs(pct(w4.name)) <= 5),
         common.claim("DynaCore no worse than W4A16 alone (decoded tokens)",
@@ -425,8 +463,14 @@ def make_claims(q_rows, s_rows, s_extra, pre_rows, dec_rows, calc_rows, w4, q_ex
                                    ">= 1.0x", f"{ratio:.3f}x", ratio >= 1))
     hlo = s_extra["speed"]["hlo_w4a16"]["weight_shaped_f32_arrays"] if s_extra else None
     notes = [
-        f"zero points chosen on dev windows only: zero_point={q_extra['zero_point']} "
-        f"(dev rows in results.json extra.quality.dev_zero_point_rows)",
+        f"chosen on dev windows only (lowest KL on decoded tokens): prefill {w8.name}, "
+        f"decode {w4.name} (dev rows in results.json extra.quality.dev_rows); GPTQ and "
+        f"SmoothQuant calibrate on {q_extra['calibration_tokens']} tokens of the "
+        "calibration split",
+        "the embedded GGUF stores SmolLM2 in llama.cpp's Q4_1 (4-bit, groups of 32 inputs, "
+        "a float scale and minimum each): the f32 reference is those weights dequantized, "
+        "so a g32 grid with a float zero can hold them exactly, and g64 must merge two "
+        "Q4_1 groups into one grid",
         "the tied embedding / LM head stays float in every row "
         f"({q_extra['embed_MB']:.0f} MB f32); 'linear MB' counts the real arrays of every "
         "quantized linear weight (codes, scales, zero points; DynaCore: both sets)",

@@ -3,11 +3,12 @@ the XLA thread count can be fixed before JAX starts, equal to llama.cpp's):
 
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
         python -m experiments.dynacore.speed --out speed.json --prompt 256 --context 128 \
-        --decode 32 --batches 1,8 --group 64 --repeats 5
+        --decode 32 --batches 1,8 --repeats 5 --w8 '{"smooth": 0.5}' \
+        --w4 '{"weight_bits": 4, "act_bits": 16, "group_size": 64, "zero_point": "float"}'
 
 Prefill tok/s (one prompt of --prompt tokens, jitted `generate.prefill`) for f32, bf16 and
-W8A8 (+ W4A16); decode tok/s (`generate.decode_loop`, --decode greedy steps from a cache
-holding --context tokens) at each batch for f32 and W4A16 (+ bf16, W8A16); medians after
+the --w8 setting; decode tok/s (`generate.decode_loop`, --decode greedy steps from a cache
+holding --context tokens) at each batch for f32 and the --w4 setting; medians after
 one warm-up round, variants interleaved (research.core.timing.time_interleaved). Also the
 compiled decode step's HLO for W4A16: whether XLA writes whole dequantized weights.
 """
@@ -23,17 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.core.timing import time_interleaved
-from research.dynacore import quantize, w4a16, w8a8, w8a16
+from research import data
+from research.dynacore import QuantConfig, quantize, w8a16
 from research.model import load
 from research.serving.generate import decode_loop, decode_step, prefill
 from research.serving.sampling import SamplingConfig
-from research.transforms import calibrate_and_apply
+from research.transforms import CalibrationData, calibrate_and_apply
 
 
-def variants(model, group: int) -> dict:
+def variants(model, w8: QuantConfig, w4: QuantConfig, cal: CalibrationData) -> dict:
+    """f32, bf16, the W8A8 and W4A16 settings given (calibrated on `cal` when they need
+    data: the codes' values do not change the speed, their arrays and dtypes do) and
+    W8A16."""
     out = {"f32": model, "bf16": model.astype(jnp.bfloat16)}
-    for cfg in (w8a8(), w8a16(), w4a16(group)):
-        out[cfg.name], _ = calibrate_and_apply(quantize(cfg), model, None)
+    for cfg in (w8, w8a16(), w4):
+        out[cfg.name], _ = calibrate_and_apply(quantize(cfg), model, cal)
     return out
 
 
@@ -67,13 +72,18 @@ def main():
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--w8", default="{}", help="W8A8 QuantConfig fields as JSON")
+    ap.add_argument("--w4", default='{"weight_bits": 4, "act_bits": 16, "group_size": 64}',
+                    help="W4A16 QuantConfig fields as JSON")
+    ap.add_argument("--cal_seqs", type=int, default=4,
+                    help="calibration sequences of 128 tokens for data-aware settings")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prefill_variants", default="f32,bf16,W8A8")
-    ap.add_argument("--decode_variants", default="f32,W4A16 g64")
     a = ap.parse_args()
-    model, _ = load(a.gguf or None)
-    models = variants(model, a.group)
+    w8, w4 = QuantConfig(**json.loads(a.w8)), QuantConfig(**json.loads(a.w4))
+    model, tok = load(a.gguf or None)
+    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 128,
+                                   a.cal_seqs)
+    models = variants(model, w8, w4, cal)
     rng = np.random.default_rng(0)
     result = {"xla_flags": __import__("os").environ.get("XLA_FLAGS", ""), "prefill": {},
               "decode": {}}
@@ -81,7 +91,7 @@ def main():
     # prefill: one prompt of a.prompt tokens into a fresh cache
     toks = jnp.asarray(rng.integers(100, 40000, (1, a.prompt)), jnp.int32)
     lens = jnp.asarray([a.prompt], jnp.int32)
-    pv = a.prefill_variants.split(",")
+    pv = ["f32", "bf16", w8.name]
     caches = {v: models[v].init_cache(1, a.prompt) for v in pv}
     fns = {v: (lambda v=v: prefill(models[v].prefill_model, toks, lens, caches[v]))
            for v in pv}
@@ -92,7 +102,7 @@ def main():
                                 "wall_s": times[v]["wall_s"]}
 
     # decode: a.decode greedy steps from a cache holding a.context tokens
-    dv = a.decode_variants.split(",")
+    dv = ["f32", w4.name]
     for b in (int(x) for x in a.batches.split(",")):
         ctx = jnp.asarray(rng.integers(100, 40000, (b, a.context)), jnp.int32)
         clen = jnp.full((b,), a.context, jnp.int32)
@@ -117,7 +127,7 @@ def main():
             result["decode"][f"{v} b{b}"] = {
                 "variant": v, "batch": b, "median_s": med,
                 "tok_s": b * (a.decode - 1) / med, "wall_s": times[v]["wall_s"]}
-    result["hlo_w4a16"] = hlo_materialization(models[f"W4A16 g{a.group}"])
+    result["hlo_w4a16"] = hlo_materialization(models[w4.name])
     result["hlo_f32"] = hlo_materialization(models["f32"])
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
