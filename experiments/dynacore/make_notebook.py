@@ -24,7 +24,13 @@ CELLS = [
         "The full run: `python -m experiments.run "
         "--config=experiments/dynacore/dynacore.py:small`."),
     new_code_cell(INSTALL),
-    new_markdown_cell("## 1. Quantize every linear layer (qwix computes the codes)"),
+    new_markdown_cell(
+        "## 1. Quantize every linear layer (qwix computes the codes)\n"
+        "Round to nearest needs no data. GPTQ (`method='gptq'`) and SmoothQuant "
+        "(`w8a8(smooth=...)`) read the layers' inputs on calibration text, so their "
+        "transforms take a `CalibrationData`. `zero_point='float'` is llama.cpp Q4_1's "
+        "grid: the embedded GGUF is stored in Q4_1, so at g32 it holds the f32 weights "
+        "exactly."),
     new_code_cell(
         "import jax, jax.numpy as jnp, numpy as np\n"
         "from research.model import load\n"
@@ -37,10 +43,19 @@ CELLS = [
         "    models[cfg.name], state = calibrate_and_apply(quantize(cfg), model, None)\n"
         "    print(cfg.name, {k: f'{v / 1e6:.1f} MB' for k, v in "
         "weight_bytes(models[cfg.name]).items()})\n"
-        "try:\n"
-        "    quantize(w4a16(128)).calibrate(model, None)\n"
-        "except ValueError as e:\n"
-        "    print('clear error:', e)"),
+        "from research import data\n"
+        "from research.transforms import CalibrationData\n"
+        "cal = CalibrationData.from_ids(tokenizer.encode(data.corpus_text('calibration')), "
+        "256, 4)\n"
+        "for cfg in (w8a8(smooth=0.5), w4a16(64, zero_point='float', method='gptq')):\n"
+        "    models[cfg.name], state = calibrate_and_apply(quantize(cfg), model, cal)\n"
+        "    print(cfg.name, 'calibrated on', cal.tokens.size, 'tokens')\n"
+        "for bad in (lambda: quantize(w4a16(128)).calibrate(model, None),\n"
+        "            lambda: quantize(w4a16(64, method='gptq')).calibrate(model, None)):\n"
+        "    try:\n"
+        "        bad()\n"
+        "    except ValueError as e:\n"
+        "        print('clear error:', e)"),
     new_markdown_cell(
         "## 2. DynaCore in generate: W8A8 prefill, W4A16 decode\n"
         "`model.prefill_model` / `model.decode_model` are the two views; `generate` uses "
@@ -62,8 +77,8 @@ CELLS = [
         "from research.dynacore import evaluate_pairs, windows\n"
         "ids = tokenizer.encode(data.corpus_text('heldout'))\n"
         "test = windows(ids, 128, 2)\n"
-        "pairs = {'W8A8': (models['W8A8'],) * 2, 'W4A16 g64': (models['W4A16 g64'],) * 2,\n"
-        "         'DynaCore': (dc.prefill_model, dc.decode_model)}\n"
+        "pairs = {name: (m,) * 2 for name, m in models.items()}\n"
+        "pairs['DynaCore'] = (dc.prefill_model, dc.decode_model)\n"
         "for name, s in evaluate_pairs(pairs, (model, model), test, 64, 2).items():\n"
         "    print(f'{name:10s} ppl decoded {s.ppl_decode:.3f}  KL decoded {s.kl_decode:.4f}')"),
     new_markdown_cell("## 4. The Pallas kernels (interpret mode on CPU) vs their references"),

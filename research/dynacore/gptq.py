@@ -2,7 +2,7 @@
 
 Grids (`ZERO_POINTS`), all as unsigned codes u in [0, 15] with w ~ (u - zero) * scale per
 group of `group` input rows and output column (kernels_pallas.quant_matmul's layout):
-  * "none":  symmetric, zero = 8, scale = absmax / 7 (qwix `absmax`);
+  * "none":  symmetric, zero = 8, scale = absmax / 7.5 (qwix `absmax`, its int4 bound);
   * "int":   asymmetric, integer zero in [0, 15] (qwix `minmax`: scale = (max - min) / 15,
              zero = round(-min / scale));
   * "float": asymmetric with a float zero, so the grid's low end is the group's minimum
