@@ -62,8 +62,11 @@ CELLS = [
         "them, a plain forward on the undivided model is an error."),
     new_code_cell(
         "from research.serving.generate import generate_text\n"
-        "dc, dc_state = calibrate_and_apply(dynacore(prefill=w8a8(), decode=w4a16(64)), "
-        "model, None)\n"
+        "# the settings the experiment chose on its dev windows (results/dynacore_small)\n"
+        "dc, dc_state = calibrate_and_apply(\n"
+        "    dynacore(prefill=w8a8(smooth=0.5), decode=w4a16(64, zero_point='float', "
+        "method='gptq')),\n"
+        "    model, cal)\n"
         "print('both sets:', f\"{weight_bytes(dc)['linear'] / 1e6:.1f} MB of linear weights\")\n"
         "q = ['What is the capital of France?']\n"
         "print('f32     :', generate_text(model, tokenizer, q, max_new_tokens=16))\n"
