@@ -21,14 +21,12 @@ import numpy as np
 from experiments import common
 from research import data
 from research.core.timing import time_fn
-from research.dynacore import (BF16, GPUS, H200, LINKS, LLAMA_31_70B, W4A16_G64, W8A8,
-                               DecodeProcess, Pool, crossover_tokens, dynacore,
-                               evaluate_pairs, kv_bytes, quantize, request_cost,
+from research.dynacore import (BF16, GPUS, H200, LINKS, LLAMA_31_70B, METHODS, W4A16_G64,
+                               W8A8, ZERO_POINTS, DecodeProcess, Pool, QuantConfig,
+                               calibrate_weights, calibration_stats, crossover_tokens,
+                               dynacore, evaluate_pairs, kv_bytes, quantize, request_cost,
                                tasq_codebook_bytes, tpot_s, transfer_s, ttft_s, w4a16, w8a8,
                                w8a16, weight_bytes, windows)
-from research.dynacore.gptq import ZERO_POINTS
-from research.dynacore.quant import METHODS, QuantConfig
-from research.dynacore.transform import calibrate_weights, calibration_stats
 from research.model import default_gguf_path, load
 from research.serving.generate import decode_loop, prefill
 from research.serving.sampling import SamplingConfig

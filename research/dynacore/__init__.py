@@ -10,10 +10,13 @@ from research.dynacore.roofline import (B200, BF16, GPU, GPUS, H200, W4A16_G64, 
                                         linear_params, tpot_s, ttft_s)
 from research.dynacore.handoff import DecodeProcess, insert_records, prefix_records
 from research.dynacore.quality import Scores, evaluate_pairs, handoff_logits, windows
-from research.dynacore.quant import (QuantConfig, QuantizedLinear, quantize_weight, w4a16,
-                                     w8a8, w8a16)
-from research.dynacore.transform import (PhaseWeights, dynacore, linear_weights, quantize,
-                                         restore_state, save_state, weight_bytes)
+from research.dynacore.calib import InputStats, input_stats
+from research.dynacore.gptq import ZERO_POINTS, gptq_quantize, rtn_quantize
+from research.dynacore.quant import (METHODS, QuantConfig, QuantizedLinear, quantize_weight,
+                                     w4a16, w8a8, w8a16)
+from research.dynacore.transform import (PhaseWeights, calibrate_weights, calibration_stats,
+                                         dynacore, linear_weights, quantize, restore_state,
+                                         save_state, weight_bytes)
 
 __all__ = ["LINKS", "LLAMA_31_70B", "Pool", "crossover_tokens", "kv_bytes",
            "kv_bytes_per_token", "request_cost", "tasq_codebook_bytes", "transfer_s", "B200",
@@ -22,4 +25,5 @@ __all__ = ["LINKS", "LLAMA_31_70B", "Pool", "crossover_tokens", "kv_bytes",
            "Scores", "evaluate_pairs", "handoff_logits", "windows", "QuantConfig",
            "QuantizedLinear", "quantize_weight", "w4a16", "w8a8", "w8a16", "PhaseWeights",
            "dynacore", "linear_weights", "quantize", "restore_state", "save_state",
-           "weight_bytes"]
+           "weight_bytes", "InputStats", "input_stats", "ZERO_POINTS", "gptq_quantize",
+           "rtn_quantize", "METHODS", "calibrate_weights", "calibration_stats"]
