@@ -2,6 +2,7 @@
 (one model holding a weight set per serving phase).
 
     model_q = quantize(w4a16(64)).apply(model, quantize(w4a16(64)).calibrate(model, None))
+    model_g, _ = calibrate_and_apply(quantize(w4a16(64, method="gptq")), model, cal_data)
     dc = dynacore(prefill=w8a8(), decode=w4a16(64))
     model_dc, state = calibrate_and_apply(dc, model, None)
     generate(model_dc, prompts, max_new_tokens=32)   # prefill W8A8, decode W4A16
@@ -12,9 +13,10 @@ once; `weight_bytes` reports it separately.
 
 State (what `calibrate` returns, savable with orbax: `save_state` / `restore_state`):
 {"fingerprint": f32 [n_weights, 2] (sum and sum of squares of each float weight it was
-made from), "weights": {"<layer>/<name>": {"qvalue", "scale"[, "zero"][, "act_scale"]}}}. `apply` checks
-the fingerprint against the model it is given: quantized weights applied to another
-model are an error, not a silently wrong model.
+made from), "weights": {"<layer>/<name>": {"qvalue", "scale"[, "zero"][, "act_scale"]}}}.
+`apply` checks the fingerprint against the model it is given: quantized weights applied
+to another model are an error, not a silently wrong model. GPTQ and SmoothQuant settings
+need calibration data (a `CalibrationData`); round to nearest needs none.
 
 DynaCore's model holds `PhaseWeights(prefill, decode)` leaves; `Model.prefill_model` /
 `Model.decode_model` (research.model.llama) select one set. `generate` and the serving
