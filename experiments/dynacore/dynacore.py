@@ -2,16 +2,19 @@ r"""DynaCore on SmolLM2-135M-Instruct: quality, CPU speed vs llama.cpp, roofline
 
 Command:   python -m experiments.run --config=experiments/dynacore/dynacore.py:small
            (timed sections run under `flock /work/bench.lock` when committed)
-Hardware:  small = CPU, ~30-40 minutes on a loaded 2-core machine (dev 4 + test 8 windows
-           of 256 tokens, 128 prefilled + 128 decoded; speed with 1 thread);
-           full = CPU, ~2 hours (dev 8 + test 32 windows, longer timing).
-Expected:  quality (test windows, handoff protocol, KL vs f32 on decoded tokens): W8A8 within
-           1% of f32 perplexity, W4A16 g64 within 5%, DynaCore (W8A8 prefill, W4A16 decode)
-           no worse than W4A16 alone; speed: W8A8 prefill faster than f32 on CPU XLA,
-           W4A16 decode slower than f32 on CPU XLA (the dequantized weight is materialized
-           each step; the Pallas kernel is for TPU/GPU) and far from llama.cpp Q4_1;
-           roofline (modeled): W8A8 TTFT <= 2x, W4A16 TPOT <= ~3.5x vs bf16, neither
-           near 3.50x / 36.55x; KV 10.74 GB at 32k (bf16), 0.67 GB in 1-bit codes.
+Hardware:  small = CPU, ~15 minutes on an idle 2-core machine (874 s at 013d367; dev 4 +
+           test 8 windows of 256 tokens, 128 prefilled + 128 decoded; speed with 1 thread);
+           full = CPU, ~40 minutes (2,370 s at 7ced55b; dev 8 + test 32 windows, longer
+           timing, handoff up to 2,048 tokens).
+Expected:  dev choice (in-run, on dev windows only): SmoothQuant 0.5 for W8A8, float-zero
+           GPTQ for W4A16 g64; quality (test windows, handoff protocol, KL vs f32 on
+           decoded tokens): W8A8 sq0.5 ~+1.1% perplexity (target 1%), W4A16 g64 ~+14-15%
+           (target 5%; the checkpoint is Q4_1, g32 float-zero is lossless), DynaCore (W8A8
+           prefill, W4A16 decode) no worse than W4A16 alone; speed: W8A8 prefill faster
+           than f32 on CPU XLA, W4A16 decode no faster than f32 on CPU XLA (the dequantized
+           weight is materialized each step; the Pallas kernel is for TPU/GPU) and ~0.4-0.5x
+           llama.cpp Q4_1; roofline (modeled): W8A8 TTFT <= 2x, W4A16 TPOT <= ~3.5x vs bf16,
+           neither near 3.50x / 36.55x; KV 10.74 GB at 32k (bf16), 0.67 GB in 1-bit codes.
 """
 import ml_collections
 
