@@ -7,7 +7,7 @@ the XLA thread count can be fixed before JAX starts, equal to llama.cpp's):
         --w4 '{"weight_bits": 4, "act_bits": 16, "group_size": 64, "zero_point": "float"}'
 
 Prefill tok/s (one prompt of --prompt tokens, jitted `generate.prefill`) for f32, bf16 and
-the --w8 setting; decode tok/s (`generate.decode_loop`, --decode greedy steps from a cache
+the --w8 setting (and plain W8A8 when --w8 smooths); decode tok/s (`generate.decode_loop`, --decode greedy steps from a cache
 holding --context tokens) at each batch for f32 and the --w4 setting; medians after
 one warm-up round, variants interleaved (research.core.timing.time_interleaved). Also the
 compiled decode step's HLO for W4A16: whether XLA writes whole dequantized weights.
@@ -25,7 +25,7 @@ import numpy as np
 
 from research.core.timing import time_interleaved
 from research import data
-from research.dynacore import QuantConfig, quantize, w8a16
+from research.dynacore import QuantConfig, quantize, w8a8, w8a16
 from research.model import load
 from research.serving.generate import decode_loop, decode_step, prefill
 from research.serving.sampling import SamplingConfig
@@ -34,10 +34,11 @@ from research.transforms import CalibrationData, calibrate_and_apply
 
 def variants(model, w8: QuantConfig, w4: QuantConfig, cal: CalibrationData) -> dict:
     """f32, bf16, the W8A8 and W4A16 settings given (calibrated on `cal` when they need
-    data: the codes' values do not change the speed, their arrays and dtypes do) and
-    W8A16."""
+    data: the codes' values do not change the speed, their arrays and dtypes do), plain
+    W8A8 beside a smoothed one, and W8A16."""
     out = {"f32": model, "bf16": model.astype(jnp.bfloat16)}
-    for cfg in (w8, w8a16(), w4):
+    plain = [w8a8()] if w8.smooth is not None else []  # isolates SmoothQuant's multiply
+    for cfg in (*plain, w8, w8a16(), w4):
         out[cfg.name], _ = calibrate_and_apply(quantize(cfg), model, cal)
     return out
 
@@ -91,7 +92,7 @@ def main():
     # prefill: one prompt of a.prompt tokens into a fresh cache
     toks = jnp.asarray(rng.integers(100, 40000, (1, a.prompt)), jnp.int32)
     lens = jnp.asarray([a.prompt], jnp.int32)
-    pv = ["f32", "bf16", w8.name]
+    pv = ["f32", "bf16", *(["W8A8"] if w8.smooth is not None else []), w8.name]
     caches = {v: models[v].init_cache(1, a.prompt) for v in pv}
     fns = {v: (lambda v=v: prefill(models[v].prefill_model, toks, lens, caches[v]))
            for v in pv}
