@@ -94,11 +94,10 @@ def choose_on_dev(models: Models, dev, q):
     w8s = [w8a8()] + [w8a8(smooth=a) for a in q.dev_smooth]
     w4s = [w4a16(q.dev_group, zero_point=zp, method=m) for zp in ZERO_POINTS
            for m in METHODS]
-    pairs = {c.name: (models.get(c), models.get(c)) for c in w8s + w4s}
-    scores = evaluate_pairs(pairs, (models.f32, models.f32), dev, q.n_prefill,
-                            q.batch_size)
-    ref = evaluate_pairs({F32: (models.f32, models.f32)}, (models.f32, models.f32), dev,
-                         q.n_prefill, q.batch_size)[F32]
+    pairs = {F32: (models.f32, models.f32)}
+    pairs.update({c.name: (models.get(c), models.get(c)) for c in w8s + w4s})
+    scores = evaluate_pairs(pairs, pairs[F32], dev, q.n_prefill, q.batch_size)
+    ref = scores.pop(F32)
     rows = [{"setting": name, "ppl all": s.ppl_all, "ppl decoded": s.ppl_decode,
              "dppl all %": 100 * (s.ppl_all / ref.ppl_all - 1), "KL decoded": s.kl_decode}
             for name, s in scores.items()]

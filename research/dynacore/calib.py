@@ -39,11 +39,12 @@ class InputStats:
 
 
 class _Sink:
-    """Accumulates per-key stats; `last` remembers the input array seen last so a
-    projection reading the same x as the one before reuses its sums."""
+    """Accumulates per-key stats over batches; `mask` marks the current batch's real
+    tokens; `last` remembers the input seen last so a projection reading the same x as
+    the one before reuses its sums."""
 
-    def __init__(self, mask: np.ndarray):
-        self.mask = mask  # [B*T] bool: real tokens
+    def __init__(self):
+        self.mask: np.ndarray | None = None  # [B*T] bool
         self.stats: dict[str, InputStats] = {}
         self.last: tuple[object, InputStats] | None = None
 
@@ -81,17 +82,16 @@ def input_stats(model, weights: dict, tokens, lengths, batch_size: int = 4
     if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise ValueError(f"calibration tokens must be a non-empty [B, T] batch, got "
                          f"{tokens.shape=}")
-    out: dict[str, InputStats] = {}
+    sink = _Sink()
+    recording = replace_weights(model, {k: _Recorder(w, k, sink) for k, w in weights.items()},
+                                "calibrating")
     for b0 in range(0, tokens.shape[0], batch_size):
         tok, n = tokens[b0:b0 + batch_size], lengths[b0:b0 + batch_size]
-        sink = _Sink((np.arange(tok.shape[1])[None, :] < n[:, None]).reshape(-1))
-        recording = replace_weights(model, {k: _Recorder(w, k, sink)
-                                            for k, w in weights.items()}, "calibrating")
+        sink.mask = (np.arange(tok.shape[1])[None, :] < n[:, None]).reshape(-1)
         # an untied LM head only sees inputs when logits are computed
         forward(recording, jnp.asarray(tok), n_new=jnp.asarray(n),
                 logits="all" if "lm_head" in weights else "none")
-        for key, s in sink.stats.items():
-            out[key] = s.merged(out.get(key))
+    out = sink.stats
     missing = set(weights) - set(out)
     if missing:
         raise RuntimeError(f"calibration saw no input for {sorted(missing)[:3]}")
