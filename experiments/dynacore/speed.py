@@ -7,8 +7,9 @@ the XLA thread count can be fixed before JAX starts, equal to llama.cpp's):
         --w4 '{"weight_bits": 4, "act_bits": 16, "group_size": 64, "zero_point": "float"}'
 
 Prefill tok/s (one prompt of --prompt tokens, jitted `generate.prefill`) for f32, bf16 and
-the --w8 setting (and plain W8A8 when --w8 smooths); decode tok/s (`generate.decode_loop`, --decode greedy steps from a cache
-holding --context tokens) at each batch for f32 and the --w4 setting; medians after
+the --w8 setting (and plain W8A8 when --w8 smooths); decode tok/s
+(`generate.decode_loop`, --decode greedy steps from a cache holding --context tokens) at
+each batch for f32 and the --w4 setting; medians after
 one warm-up round, variants interleaved (research.core.timing.time_interleaved). Also the
 compiled decode step's HLO for W4A16: whether XLA writes whole dequantized weights.
 """

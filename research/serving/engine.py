@@ -13,8 +13,9 @@ The MaxEngine-shaped primitives are the same code the scheduler runs:
   generate(state) -> (state, toks) one decode step for every live slot
 `step()` = admit queued requests into free slots (while the free blocks, less those
 the admitted prompts still need, hold the next whole prompt), one `generate` for the
-decode slots, then chunks of prefill (`prefill_chunk` tokens per row) with what is left of the step's
-`token_budget`; a request whose prefill completes is `insert`ed and decodes next step.
+decode slots, then chunks of prefill (`prefill_chunk` tokens per row) with what is left
+of the step's `token_budget`; a request whose prefill completes is `insert`ed and decodes
+next step.
 
 Lifecycle: queued -> prefilling -> decoding -> finished (stop / length) or aborted; a
 request is *preempted* (blocks freed, tokens kept, back to the queue front, recomputed
