@@ -33,13 +33,18 @@ from research.serving.sampling import SamplingConfig
 from research.transforms import CalibrationData, calibrate_and_apply
 
 
+def prefill_settings(w8: QuantConfig) -> list[QuantConfig]:
+    """The W8A8 settings timed at prefill: plain W8A8 beside a smoothed --w8 (isolates
+    SmoothQuant's multiply), then --w8."""
+    return ([w8a8()] if w8.smooth is not None else []) + [w8]
+
+
 def variants(model, w8: QuantConfig, w4: QuantConfig, cal: CalibrationData) -> dict:
     """f32, bf16, the W8A8 and W4A16 settings given (calibrated on `cal` when they need
     data: the codes' values do not change the speed, their arrays and dtypes do), plain
     W8A8 beside a smoothed one, and W8A16."""
     out = {"f32": model, "bf16": model.astype(jnp.bfloat16)}
-    plain = [w8a8()] if w8.smooth is not None else []  # isolates SmoothQuant's multiply
-    for cfg in (*plain, w8, w8a16(), w4):
+    for cfg in (*prefill_settings(w8), w8a16(), w4):
         out[cfg.name], _ = calibrate_and_apply(quantize(cfg), model, cal)
     return out
 
@@ -93,7 +98,7 @@ def main():
     # prefill: one prompt of a.prompt tokens into a fresh cache
     toks = jnp.asarray(rng.integers(100, 40000, (1, a.prompt)), jnp.int32)
     lens = jnp.asarray([a.prompt], jnp.int32)
-    pv = ["f32", "bf16", *(["W8A8"] if w8.smooth is not None else []), w8.name]
+    pv = ["f32", "bf16", *(c.name for c in prefill_settings(w8))]
     caches = {v: models[v].init_cache(1, a.prompt) for v in pv}
     fns = {v: (lambda v=v: prefill(models[v].prefill_model, toks, lens, caches[v]))
            for v in pv}

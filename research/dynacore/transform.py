@@ -117,13 +117,13 @@ def _check_state(model: Model, state, config: QuantConfig) -> dict[str, jax.Arra
                          f"weights' fingerprint differs (first at {bad}); calibrate on "
                          "this model")
     zero_dtype = ZERO_DTYPE[config.zero_point] if config.weight_bits == 4 else None
-    want_arrays = ({"qvalue", "scale"} | ({"zero"} if zero_dtype else set())
+    want_arrays = ({"qvalue", "scale"} | ({"zero"} if zero_dtype is not None else set())
                    | ({"act_scale"} if config.smooth is not None else set()))
     for key, entry in state["weights"].items():
         k, n = weights[key].shape
         want = (k, n) if config.weight_bits == 8 else (k // 2, n)
         if (tuple(entry["qvalue"].shape) != want or set(entry) != want_arrays
-                or (zero_dtype and np.dtype(entry["zero"].dtype) != zero_dtype)):
+                or (zero_dtype is not None and np.dtype(entry["zero"].dtype) != zero_dtype)):
             raise ValueError(f"state weight {key} (arrays {sorted(entry)}, codes "
                              f"{tuple(entry['qvalue'].shape)}) does not match "
                              f"{config.name} for a [{k}, {n}] weight")

@@ -95,13 +95,18 @@ def test_completion_stream_usage_and_prefix_cache(server):
     assert a == b
 
 
+def _greedy_vs_generate(server, max_tokens):
+    """The server's greedy completion of PROMPT and `generate`'s tokens for it."""
+    ref = generate(server.model, [server.tok.encode(PROMPT)], max_new_tokens=max_tokens,
+                   stop_tokens=default_stop_tokens(server.tok)).tokens[0]
+    out = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                           temperature=0)
+    return out, ref
+
+
 @pytest.mark.slow
 def test_greedy_completion_matches_generate(server):
-    ids = server.tok.encode(PROMPT)
-    ref = generate(server.model, [ids], max_new_tokens=8,
-                   stop_tokens=default_stop_tokens(server.tok)).tokens[0]
-    out = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
-                                           temperature=0)
+    out, ref = _greedy_vs_generate(server, 8)
     assert out.choices[0].text == server.tok.decode(ref, skip_special=True)
     assert out.usage.completion_tokens == len(ref)
 
@@ -277,11 +282,7 @@ def _soak(server, n, seed):
     _assert_no_leak(server)
     # still serving, and still right: greedy text equals `generate`'s (a sampled reply could
     # legitimately be an immediate EOS, so the check is greedy on a prompt that continues)
-    ids = server.tok.encode(PROMPT)
-    ref = generate(server.model, [ids], max_new_tokens=3,
-                   stop_tokens=default_stop_tokens(server.tok)).tokens[0]
-    out = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
-                                           temperature=0)
+    out, ref = _greedy_vs_generate(server, 3)
     assert len(ref) >= 1 and out.choices[0].text == server.tok.decode(ref, skip_special=True)
 
 
