@@ -481,25 +481,36 @@ def claims(rows, config, flops):
 
 
 def make_plot(rows, config):
+    """One panel per metric the run measured, against the bytes each cache really holds
+    (kept KV + patch, f32; issue 28: a patch is paid for in memory), or against the budget
+    for rows without measured bytes."""
     def plot(fig):
-        metrics = [("ppl", "continuation perplexity"), ("retrieval_acc", "retrieval accuracy")]
+        metrics = [(key, label) for key, label in (("ppl", "continuation perplexity"),
+                                                   ("retrieval_acc", "retrieval accuracy"))
+                   if any(key in r for r in rows)]
+        bytes_axis = all("total_MB" in r for r in rows)
+
+        def x_of(r):
+            return r["total_MB"] if bytes_axis else r["budget"]
+
         full = next(r for r in rows if r["method"] == "full")
         for i, (key, label) in enumerate(metrics):
-            ax = fig.add_subplot(1, 2, i + 1)
+            ax = fig.add_subplot(1, len(metrics), i + 1)
             for name in config.compressions:
                 for method, style in zip(map(method_name, config.methods),
                                          itertools.cycle(("-", "-", "--", ":", "-."))):
-                    pts = [(r["budget"], r[key]) for r in rows if r["compression"] == name
-                           and r["method"] == method and key in r]
+                    pts = sorted((x_of(r), r[key]) for r in rows if r["compression"] == name
+                                 and r["method"] == method and key in r)
                     if pts:
                         ax.plot(*zip(*pts), style, marker="o", label=f"{name}/{method}")
             if key in full:
                 ax.axhline(full[key], color="k", lw=0.8, label="full cache")
             for r in rows:
                 if r["compression"].startswith("tasq") and key in r:
-                    ax.plot(r["budget"], r[key], "*" if r["method"] == "patchkv" else "x",
+                    ax.plot(x_of(r), r[key], "*" if r["method"] == "patchkv" else "x",
                             ms=8, label=f"{r['compression']}/{r['method']}")
-            ax.set_xlabel("fraction of context KV bytes kept")
+            ax.set_xlabel("kept KV + patch, MB (f32)" if bytes_axis
+                          else "fraction of context KV bytes kept")
             ax.set_title(label, fontsize=9)
             ax.set_xscale("log")
         fig.axes[0].legend(fontsize=5)

@@ -164,3 +164,30 @@ def test_methods_are_step_tuples_with_patchkv_last():
         ex.press_transform("tasq-1bit", 0.1)
     config = get_config("small")
     assert all(ex.check_method(m) == m for m in config.methods)
+
+
+def test_plot_draws_only_measured_metrics_against_the_bytes_held():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    config = get_config("small")
+    config.compressions, config.methods = ("snapkv",), ((), ("patchkv",))
+    rows = [{"compression": "full", "budget": 1.0, "method": "full", "ppl": 20.0,
+             "total_MB": 180.0},
+            {"compression": "snapkv", "budget": 0.1, "method": "none", "ppl": 23.0,
+             "total_MB": 18.3},
+            {"compression": "snapkv", "budget": 0.1, "method": "patchkv", "ppl": 21.5,
+             "total_MB": 27.9},
+            {"compression": "snapkv", "budget": 0.25, "method": "none", "ppl": 21.9,
+             "total_MB": 45.7}]
+    fig = plt.figure()
+    ex.make_plot(rows, config)(fig)
+    (ax,) = fig.axes  # no retrieval contexts: no empty retrieval panel
+    assert ax.get_xlabel() == "kept KV + patch, MB (f32)"
+    patched = [line for line in ax.get_lines() if line.get_label() == "snapkv/patchkv"]
+    assert [tuple(line.get_xdata()) for line in patched] == [(27.9,)]
+    rows[-1] = {k: v for k, v in rows[-1].items() if k != "total_MB"} | {"retrieval_acc": 0.5}
+    fig = plt.figure()
+    ex.make_plot(rows, config)(fig)
+    assert len(fig.axes) == 2 and fig.axes[0].get_xlabel() == "fraction of context KV bytes kept"
+    plt.close("all")
