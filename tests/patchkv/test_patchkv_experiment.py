@@ -191,3 +191,15 @@ def test_plot_draws_only_measured_metrics_against_the_bytes_held():
     ex.make_plot(rows, config)(fig)
     assert len(fig.axes) == 2 and fig.axes[0].get_xlabel() == "fraction of context KV bytes kept"
     plt.close("all")
+
+
+def test_gap_closed_is_undefined_where_the_press_does_not_raise_perplexity():
+    # results/patchkv_4k_test_license: SnapKV 10% alone 22.07 < full 22.14; a ratio of
+    # two negative-or-tiny differences (-134% there) says nothing about the patch
+    records = _records({(0, "full", "full"): 22.14, (0, "snapkv", "none"): 22.07,
+                        (0, "snapkv", "patchkv"): 21.98})
+    rows = ex.aggregate(records)
+    assert math.isnan(ex.gap_closed(rows, "snapkv", 0.1))
+    (closed,) = [c for c in ex.claims(rows, get_config("small"), None)
+                 if c["claim"].startswith("snapkv@10%")]
+    assert closed["met"] == "n/a" and closed["measured"].startswith("undefined")
