@@ -79,14 +79,77 @@ def filter_logits_per_row(logits: Float[Array, "B V"], temperature: Float[Array,
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
+# Candidates a sampled row's top-k / top-p cutoff is looked for among (`lax.top_k`, ~3 ms
+# on [8, 49152] on a 2-core CPU, against ~64 ms for a full sort). A row whose cutoff lies
+# beyond them (a nucleus wider than this, or top_k larger) falls back to the full sort.
+SAMPLE_CANDIDATES = 1024
+
+
+def _cutoff(sorted_vals: Float[Array, "B C"], log_z: Float[Array, "B"], kth: Array,
+            top_p: Float[Array, "B"]) -> tuple[Array, Array]:
+    """(smallest logit kept [B], whether `sorted_vals` sufficed [B]) for the nucleus of a
+    row's top-k-filtered distribution, from its C largest logits in descending order.
+
+    kth: [B] the top-k threshold (-inf: off); log_z: log of the filtered distribution's
+    normaliser over the whole vocabulary, so C < V candidates give the same masses as a
+    full sort."""
+    vals = jnp.where(sorted_vals >= kth[:, None], sorted_vals, -jnp.inf)
+    probs = jnp.exp(vals - log_z[:, None])
+    mass = jnp.cumsum(probs, axis=-1)
+    keep = (mass - probs) < top_p[:, None]  # the top token is always kept
+    cutoff = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1)
+    nucleus_ends = mass[:, -1] >= top_p  # the next candidate would be dropped
+    set_ends = sorted_vals[:, -1] < kth  # the top-k set lies inside the candidates
+    nucleus = top_p < 1.0
+    return (jnp.where(nucleus, cutoff, kth),
+            jnp.where(nucleus, nucleus_ends | set_ends, True))
+
+
 def sample_per_row(logits: Float[Array, "B V"], temperature: Float[Array, "B"], top_k: Array,
-                   top_p: Float[Array, "B"], key_data: Array) -> Array:
+                   top_p: Float[Array, "B"], key_data: Array,
+                   candidates: int = SAMPLE_CANDIDATES) -> Array:
     """Next token per row, int32 [B]: greedy where temperature == 0, else a draw from the
     row's filtered distribution with the row's own key (`key_data` [B, 2] uint32), so a
-    row's token does not depend on the other rows of the batch."""
+    row's token does not depend on the other rows of the batch.
+
+    One compiled shape serves any mix of settings, and only what a batch needs runs: an
+    all-greedy batch takes the argmax alone (the draw sits behind `lax.cond`); sampled
+    rows find their cutoff among the `candidates` largest logits (`lax.top_k`), and the
+    full-vocabulary sort runs only when some row's nucleus or top-k reaches past them.
+    Either way a row's cutoff and draw are the same (Gumbel-max over the whole vocabulary
+    with the row's key, as `jax.random.categorical` draws), whichever path found it."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     hot = temperature > 0
-    filtered = filter_logits_per_row(logits, jnp.where(hot, temperature, 1.0), top_k, top_p)
-    keys = jax.random.wrap_key_data(key_data)
-    drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, filtered)
-    return jnp.where(hot, drawn.astype(jnp.int32), greedy)
+
+    def draw():
+        v = logits.shape[-1]
+        scaled = logits.astype(jnp.float32) / jnp.where(hot, temperature, 1.0)[:, None]
+        c = min(candidates, v)
+        top = jax.lax.top_k(scaled, c)[0]
+        k_in = (top_k > 0) & (top_k <= c)
+        kth = jnp.where(k_in, jnp.take_along_axis(top, jnp.clip(top_k - 1, 0, c - 1)[:, None],
+                                                  axis=1)[:, 0], -jnp.inf)
+
+        def full_kth():
+            full = jnp.sort(scaled, axis=-1)[:, ::-1]
+            return jnp.take_along_axis(full, jnp.clip(top_k - 1, 0, v - 1)[:, None],
+                                       axis=1)[:, 0]
+
+        wide_k = hot & (top_k > c)
+        kth = jnp.where(wide_k, jax.lax.cond(wide_k.any(), full_kth, lambda: kth), kth)
+        log_z = jax.nn.logsumexp(jnp.where(scaled >= kth[:, None], scaled, -jnp.inf), axis=-1)
+        cutoff, complete = _cutoff(top, log_z, kth, top_p)
+
+        def full_cutoff():
+            return _cutoff(jnp.sort(scaled, axis=-1)[:, ::-1], log_z, kth, top_p)[0]
+
+        short = hot & ~complete
+        cutoff = jnp.where(short, jax.lax.cond(short.any(), full_cutoff, lambda: cutoff),
+                           cutoff)
+        keys = jax.random.wrap_key_data(key_data)
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
+        drawn = jnp.argmax(jnp.where(scaled >= cutoff[:, None], scaled + noise, -jnp.inf),
+                           axis=-1).astype(jnp.int32)
+        return jnp.where(hot, drawn, greedy)
+
+    return jax.lax.cond(hot.any(), draw, lambda: greedy)
