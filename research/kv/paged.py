@@ -91,7 +91,8 @@ class PagedKVCache(KVCache):
     def init(self, batch, max_len, n_kv_heads, head_dim):
         m = self.blocks_per_seq(max_len)
         n_blocks = self.n_blocks or batch * m
-        state = {**self.codec.empty((n_blocks, self.block_size), n_kv_heads, head_dim),
+        pages = self.codec.empty((n_blocks, self.block_size), n_kv_heads, head_dim)
+        state = {**{name: as_stored(x) for name, x in pages.items()},
                  TABLE: default_block_table(batch, m, n_blocks)}
         seq = self.codec.init_seq_state(batch, n_kv_heads, head_dim)
         return state if seq is None else {**state, SEQ: seq}
@@ -105,16 +106,30 @@ class PagedKVCache(KVCache):
         q_pos = start[:, None] + jnp.arange(t)[None, :]
         w = self.codec.write(k, v, q_pos, jnp.arange(t)[None, :] < n_new[:, None],
                              state.get(SEQ))
-        pools = write_records(pools_of(state), table, w.records, w.positions, w.valid)
+        dtypes = {name: spec.dtype
+                  for name, spec in self.codec.record_spec(k.shape[2], k.shape[3]).items()}
+        pools = write_records(pools_of(state), table, w.records, w.positions, w.valid, dtypes)
         lengths = start + n_new
+
+        def gathered(q, pools, table, lengths):
+            view = gather_view(pools, table, q_pos, lengths, window, dtypes)
+            return self.codec.attend(q, view._replace(extra=w.extra))
+
         if self.implementation != "xla" and t == 1 and isinstance(self.codec, FloatCodec):
-            out = paged_decode_attention(
-                q[:, 0], pools["k"], pools["v"], table, lengths, window=window,
-                implementation=self.implementation, backend=self.backend,
-                interpret=self.interpret)[:, None]
+            def kernel(q, pools, table, lengths):
+                return paged_decode_attention(
+                    q[:, 0], as_logical(pools["k"], dtypes["k"]),
+                    as_logical(pools["v"], dtypes["v"]), table, lengths, window=window,
+                    implementation=self.implementation, backend=self.backend,
+                    interpret=self.interpret)[:, None].astype(q.dtype)
+            # on CPU "auto" reads gathered pages (the kernel's own XLA path would view the
+            # whole 16-bit pool as floats first: a copy there, see `as_stored`)
+            out = (kernel(q, pools, table, lengths) if self.implementation == "pallas" else
+                   jax.lax.platform_dependent(q, pools, table, lengths,
+                                              cpu=lambda *a: gathered(*a).astype(q.dtype),
+                                              default=kernel))
         else:
-            view = gather_view(pools, table, q_pos, lengths, window)._replace(extra=w.extra)
-            out = self.codec.attend(q, view)
+            out = gathered(q, pools, table, lengths)
         out = poison_rows(out, either_bad(self.codec.check_finite(k, v), w.bad_rows))
         new = {**pools, TABLE: table}
         if w.seq_state is not None:
@@ -156,22 +171,43 @@ def token_slots(table: Int[Array, "B M"], positions: Int[Array, "B T"],
 
 
 def write_records(pools: dict, table: Int[Array, "B M"], records: dict,
-                  positions: Int[Array, "B T"], valid: Array) -> dict:
-    """pool[block, slot] = record for every valid token (others dropped)."""
+                  positions: Int[Array, "B T"], valid: Array, dtypes: dict) -> dict:
+    """pool[block, slot] = record for every valid token (others dropped); `dtypes`: the
+    codec's record dtypes (pools hold them as `as_stored`)."""
     n_blocks, block_size = next(iter(pools.values())).shape[:2]
     block, slot = token_slots(table, positions, valid, n_blocks, block_size)
-    return {name: pool.at[block, slot].set(records[name].astype(pool.dtype), mode="drop")
-            for name, pool in pools.items()}
+    return {name: pool.at[block, slot].set(as_stored(records[name].astype(dtypes[name])),
+                                           mode="drop") for name, pool in pools.items()}
+
+
+def as_stored(x: Array) -> Array:
+    """How a page pool of `x`'s dtype is stored: 16-bit floats by their uint16 bits.
+
+    XLA:CPU has no bf16/f16 scatter or in-place update: it converts the whole operand to
+    f32 and back, a copy of the entire pool per layer per step (measured: the engine's
+    bf16 decode step grew linearly with n_blocks, 64 -> 504 ms from 136 to 2,056 blocks;
+    uint16 updates stay in place). Pages are therefore stored as bits and viewed as
+    floats after they are gathered (`as_logical`): same bytes, same values."""
+    if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def as_logical(x: Array, dtype) -> Array:
+    """Stored pages (or records gathered from them) as the codec's `dtype` again."""
+    dtype = jnp.dtype(dtype)
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def gather_view(pools: dict, table: Int[Array, "B M"], q_pos: Int[Array, "B T"],
-                lengths: Int[Array, "B"], window: int | None) -> KVView:
-    """Each row's pages in position order, as a positional view of M * block_size slots."""
+                lengths: Int[Array, "B"], window: int | None, dtypes: dict) -> KVView:
+    """Each row's pages in position order, as a positional view of M * block_size slots
+    (records of the codec's `dtypes`)."""
     b, m = table.shape
     block_size = next(iter(pools.values())).shape[1]
     pages = jnp.maximum(table, 0)  # unmapped pages lie past `lengths`: masked below
-    records = {name: pool[pages].reshape((b, m * block_size) + pool.shape[2:])
-               for name, pool in pools.items()}
+    records = {name: as_logical(pool[pages], dtypes[name]).reshape(
+                   (b, m * block_size) + pool.shape[2:]) for name, pool in pools.items()}
     kv_pos = jnp.broadcast_to(jnp.arange(m * block_size)[None, :], (b, m * block_size))
     return KVView(records, q_pos, kv_pos, kv_pos < lengths[:, None], window,
                   positional=True, lengths=lengths)

@@ -99,3 +99,8 @@ class EngineMetrics:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     preemptions: int = 0
     compiles: int = 0
+    # cumulative step-time breakdown: whole `step()` calls, the forward calls in them
+    # (device work + waiting for tokens), detokenization; the rest is host scheduling
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    detokenize_seconds: float = 0.0

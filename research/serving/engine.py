@@ -30,8 +30,10 @@ rolled back by truncating the sequence's length and block table.
 
 Shapes come from fixed buckets (decode [max_batch, 1], speculative [max_batch, k+1],
 prefill [r, prefill_chunk] for r in powers of two up to `max_prefill_rows`, block tables
-always `ceil(max_len / block_size)` wide), all compiled by `warmup()`: no compiles while
-serving (`metrics().compiles` counts XLA backend compiles since warm-up).
+as wide as the pass's longest row rounded up to a power of two of blocks, at least
+`min_read_len` tokens: a pass reads live blocks, not `max_len`), all compiled by
+`warmup()`: no compiles while serving (`metrics().compiles` counts XLA backend compiles
+since warm-up).
 
 Prefix cache (`prefix_cache=True`, research/kv/prefix_cache.py): full blocks are named by
 a chain hash of their token prefix; a new request adopts the longest cached run of its
@@ -60,6 +62,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -221,6 +224,17 @@ class StepStats:
     prefill_tokens: int = 0
     max_step_tokens: int = 0
     mixed_steps: int = 0  # steps that ran prefill chunks beside a decode batch
+    # where a step's wall time goes (seconds, cumulative): the forward calls (device work
+    # and the wait for their tokens), detokenization + stop strings, and the rest
+    # (scheduling, block tables, sampling settings, events) = step_s - forward_s - detok_s
+    read_slots: int = 0  # KV slots the forward passes attended over (rows x table width)
+    step_s: float = 0.0
+    forward_s: float = 0.0
+    detokenize_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.step_s - self.forward_s - self.detokenize_s
 
 
 class ServingEngine:
@@ -236,6 +250,9 @@ class ServingEngine:
     max_prefill_rows: prefill rows per step (default min(max_batch, budget // chunk)).
     max_queue: queued requests before add_request raises QueueFullError.
     speculative: prompt-lookup draft tokens per greedy decode step (0 = off).
+    min_read_len: the smallest read bucket in tokens. Each pass attends over its rows'
+      live blocks rounded up to a power of two (at least this many tokens), not over
+      `max_len`; warm-up compiles every bucket (log2(max_len / min_read_len) + 1 of them).
     mesh / rules: serve from sharded state on a `jax.sharding.Mesh` (see `PagedPool`:
       tensor / expert parallel; `research.sharding.make_mesh(tensor=...)`).
     """
@@ -246,10 +263,10 @@ class ServingEngine:
                  max_queue: int = 64, prefix_cache: bool = True, speculative: int = 0,
                  max_ngram: int = 3, stop_token_ids: Sequence[int] | None = None,
                  implementation: str = "auto", interpret: bool = False, warmup: bool = True,
-                 mesh=None, rules=None):
+                 mesh=None, rules=None, min_read_len: int = 128):
         for name, value in (("max_batch", max_batch), ("token_budget", token_budget),
                             ("prefill_chunk", prefill_chunk), ("max_queue", max_queue),
-                            ("max_ngram", max_ngram)):
+                            ("max_ngram", max_ngram), ("min_read_len", min_read_len)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(speculative, int) and speculative >= 0):
@@ -269,6 +286,7 @@ class ServingEngine:
         # prefill set and decodes with its decode set; other models serve both as they are
         self._phase_models = {phase: self.pool.model.for_phase(phase)
                               for phase in ("prefill", "decode")}
+        self._min_table_blocks = -(-min_read_len // block_size)
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_batch, self.max_len = max_batch, max_len
@@ -322,6 +340,7 @@ class ServingEngine:
 
     def step(self) -> list[TokenEvent]:
         """One scheduler iteration: admit, one decode step, prefill chunks."""
+        t0 = time.perf_counter()
         self._admit()
         used = 0
         if any(self._slot_req(s) is not None and self._slot_req(s).state == DECODING
@@ -334,6 +353,7 @@ class ServingEngine:
         st.prefill_tokens += prefilled
         st.max_step_tokens = max(st.max_step_tokens, used + prefilled)
         st.mixed_steps += bool(used and prefilled)
+        st.step_s += time.perf_counter() - t0
         events, self._events = self._events, []
         return events
 
@@ -344,7 +364,9 @@ class ServingEngine:
             running=sum(r.state in (PREFILLING, DECODING) for r in self._live.values()),
             kv_blocks_used=self.pool.blocks_in_use(), kv_blocks_total=self.pool.n_blocks,
             prefix_cache_hits=pc.hits if pc else 0, prefix_cache_queries=pc.queries if pc else 0,
-            preemptions=self._preemptions, compiles=compile_count() - self._compiles0)
+            preemptions=self._preemptions, compiles=compile_count() - self._compiles0,
+            step_seconds=self.step_stats.step_s, forward_seconds=self.step_stats.forward_s,
+            detokenize_seconds=self.step_stats.detokenize_s)
 
     # -- MaxEngine-shaped primitives --------------------------------------------------
     def prefill(self, request: Request) -> Prefix:
@@ -412,18 +434,26 @@ class ServingEngine:
         rows.append(self.max_prefill_rows)
         return [(r, self.prefill_chunk) for r in rows]
 
+    def table_widths(self) -> list[int]:
+        """Block-table widths a pass may use: each pass reads a power-of-two bucket of its
+        rows' live blocks (at least `min_read_len` tokens), not the whole `max_len`."""
+        return self.pool.table_widths(self._min_table_blocks)
+
+    def _table_width(self, n_blocks: int) -> int:
+        return self.pool.table_width(n_blocks, self._min_table_blocks)
+
     def warmup(self) -> None:
         """Compile every shape `step()` can use (all-padding batches write nothing)."""
-        shapes = ([(r, t, False) for r, t in self.prefill_shapes()]
-                  + [(r, t, t > 1) for r, t in self.decode_shapes()])
-        phases = (["prefill"] * len(self.prefill_shapes())
-                  + ["decode"] * len(self.decode_shapes()))
-        for (rows, t, verify), phase in zip(shapes, phases):
-            self._run_forward(np.zeros((rows, t), np.int32), np.zeros(rows, np.int32),
-                              np.zeros(rows, np.int32),
-                              np.full((rows, self.pool.max_blocks), -1, np.int32),
-                              [None] * rows, verify=verify, phase=phase)
+        shapes = ([(r, t, False, "prefill") for r, t in self.prefill_shapes()]
+                  + [(r, t, t > 1, "decode") for r, t in self.decode_shapes()])
+        for rows, t, verify, phase in shapes:
+            for width in self.table_widths():
+                self._run_forward(np.zeros((rows, t), np.int32), np.zeros(rows, np.int32),
+                                  np.zeros(rows, np.int32),
+                                  np.full((rows, width), -1, np.int32),
+                                  [None] * rows, verify=verify, phase=phase)
         self.pool.warm_copies(pow2(self.max_batch, minimum=8))
+        self.step_stats = StepStats()  # warm-up's calls are not serving time
         self._compiles0 = compile_count()
 
     # -- scheduling -------------------------------------------------------------------
@@ -586,7 +616,8 @@ class ServingEngine:
         rows = [None] * b
         for r in live:
             rows[r.slot] = r
-        table = self.pool.block_table([], b)
+        table = self.pool.block_table([], b, self._table_width(
+            max(len(m.blocks(r.seq)) for r in live)))
         for r in live:
             blocks = m.blocks(r.seq)
             table[r.slot, :len(blocks)] = blocks
@@ -638,7 +669,8 @@ class ServingEngine:
             p = m.length(req.seq) - n  # reserve advanced the length
             tokens[i, :n] = req.tokens[p:p + n]
             start[i], n_new[i] = p, n
-        table = self.pool.block_table([req.seq for req, _ in rows], r)
+        table = self.pool.block_table([req.seq for req, _ in rows], r, self._table_width(
+            max(len(m.blocks(req.seq)) for req, _ in rows)))
         reqs = [req for req, _ in rows] + [None] * (r - len(rows))
         sampled, _ = self._run_forward(tokens, start, n_new, table, reqs, verify=False,
                                        phase="prefill")
@@ -673,10 +705,14 @@ class ServingEngine:
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             if p.temperature > 0:
                 keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
+        self.step_stats.read_slots += table.size * self.pool.block_size
+        t0 = time.perf_counter()
         self.pool.pools, sampled, greedy = serve_forward(
             self._phase_models[phase], self.pool.pools, table, tokens, start, n_new,
             temperature, top_k, top_p, keys, verify=verify)
-        return np.asarray(sampled), np.asarray(greedy)
+        sampled, greedy = np.asarray(sampled), np.asarray(greedy)
+        self.step_stats.forward_s += time.perf_counter() - t0
+        return sampled, greedy
 
     # -- tokens -> events -------------------------------------------------------------
     def _accept(self, req: _Req, new: list[int]) -> None:
@@ -687,7 +723,9 @@ class ServingEngine:
                 return
             req.tokens.append(tok)
             req.n_generated += 1
+            t0 = time.perf_counter()
             text, stopped = req.text.push(tok)
+            self.step_stats.detokenize_s += time.perf_counter() - t0
             if stopped:
                 self._end(req, FINISHED, tok, text, "stop")
                 return

@@ -137,6 +137,23 @@ class PagedPool:
             n *= 2
         jax.block_until_ready(self.pools)
 
+    def table_width(self, n_blocks: int, minimum: int = 1) -> int:
+        """Block-table width for a pass whose rows map at most `n_blocks` blocks: the
+        power-of-two bucket (>= `minimum`), capped at `max_blocks`. Reads attend over
+        width * block_size slots, so a pass costs what its live rows hold, not max_len."""
+        return min(pow2(n_blocks, minimum=minimum), self.max_blocks)
+
+    def table_widths(self, minimum: int = 1) -> list[int]:
+        """Every width `table_width` can return (the shapes an engine compiles)."""
+        widths, n = [], 1
+        while True:
+            w = self.table_width(n, minimum)
+            if not widths or w != widths[-1]:
+                widths.append(w)
+            if w == self.max_blocks:
+                return widths
+            n = w + 1
+
     def block_table(self, seqs, rows: int, width: int | None = None) -> np.ndarray:
         """[rows, width] int32 table of `seqs` (padding rows and entries -1)."""
         width = self.max_blocks if width is None else width

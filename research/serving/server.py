@@ -256,6 +256,11 @@ def _make_metrics(engine_loop: EngineLoop):
                 ("servax_preemptions", "requests preempted for KV blocks", m.preemptions),
                 ("servax_compiles", "engine program compilations", m.compiles),
                 ("servax_engine_steps", "engine.step() calls", engine_loop.steps),
+                ("servax_step_seconds", "wall time inside engine.step()", m.step_seconds),
+                ("servax_step_forward_seconds",
+                 "of it, forward calls (device work + waiting for tokens)", m.forward_seconds),
+                ("servax_step_detokenize_seconds", "of it, detokenization and stop strings",
+                 m.detokenize_seconds),
             ]
             for name, doc, value in counters:
                 c = CounterMetricFamily(name, doc)

@@ -1,0 +1,127 @@
+"""Engine overhead experiment (see overhead.py for the command and what is measured)."""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import common
+from research.model import load
+from research.serving import generate as G
+from research.serving.api import Request, SamplingParams
+
+TECHNIQUE = "serving"
+DEFAULTS_CHOSEN_ON = "none: random-token prompts and engine sizes set a priori, not tuned"
+
+COLUMNS = ["codec", "batch", "generate_tok_s", "engine_tok_s", "engine_over_generate",
+           "engine_2x_max_len_tok_s", "step_ms", "step_2x_max_len_ms", "forward_share",
+           "detokenize_share", "host_share"]
+
+
+def defaults(config) -> dict:
+    return {k: config[k] for k in ("prompt_tokens", "new_tokens", "max_len", "block_size",
+                                   "prefill_chunk")}
+
+
+def _generate_tok_s(model, prompts, new_tokens) -> float:
+    tokens, lengths = G.pad_prompts(prompts, model.config.vocab_size)
+    states = model.init_cache(len(prompts), tokens.shape[1] + new_tokens)
+    logits, states = G.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    jax.block_until_ready(logits)
+    t0 = time.perf_counter()
+    out = G.decode_loop(model, logits, jnp.asarray(lengths), states, jax.random.key(0),
+                        max_new_tokens=new_tokens, sampling=G.SamplingConfig(),
+                        stop_tokens=())
+    jax.block_until_ready(out.tokens)
+    return len(prompts) * (new_tokens - 1) / (time.perf_counter() - t0)
+
+
+def _engine_run(engine, prompts, new_tokens, tag) -> dict:
+    """Median pure-decode step of one batch of requests, and the breakdown over the run."""
+    from research.serving.engine import StepStats
+    engine.step_stats = StepStats()
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"{tag}-{i}", tuple(p), SamplingParams(
+            max_new_tokens=new_tokens, temperature=0.0)))
+    decode_steps = []
+    while engine.has_work():
+        before = engine.step_stats.prefill_tokens
+        t0 = time.perf_counter()
+        events = engine.step()
+        dt = time.perf_counter() - t0
+        if engine.step_stats.prefill_tokens == before and sum(
+                e.token_id is not None for e in events) == len(prompts):
+            decode_steps.append(dt)
+    st = engine.step_stats
+    return {"step_s": float(np.median(decode_steps)), "forward": st.forward_s / st.step_s,
+            "detokenize": st.detokenize_s / st.step_s, "host": st.host_s / st.step_s}
+
+
+def run(config, out_dir) -> common.Report:
+    del out_dir
+    from research.serving.engine import ServingEngine
+    from research.serving.server import kv_codec_model
+    model, tok = load(config.gguf_path or None)
+    rng = np.random.default_rng(config.seed)
+    rows = []
+    for codec in config.codecs:
+        served = kv_codec_model(model, tok, codec, seed=config.seed,
+                                calibration_seqs=config.calibration_seqs)
+        for b in config.batches:
+            prompts = [rng.integers(100, model.config.vocab_size - 100,
+                                    config.prompt_tokens).tolist() for _ in range(b)]
+            need = -(-(config.prompt_tokens + config.new_tokens) // config.block_size)
+            engines = [ServingEngine(
+                served, tok, n_blocks=b * need + 2 * -(-max_len // config.block_size),
+                block_size=config.block_size, max_batch=b, max_len=max_len,
+                token_budget=max(b, config.prefill_chunk * 2),
+                prefill_chunk=config.prefill_chunk, prefix_cache=False, max_queue=b,
+                stop_token_ids=())  # as generate: every row decodes new_tokens
+                for max_len in (config.max_len, 2 * config.max_len)]
+            gen, eng, eng2 = [], [], []
+            for r in range(config.rounds):
+                gen.append(_generate_tok_s(served, prompts, config.new_tokens))
+                eng.append(_engine_run(engines[0], prompts, config.new_tokens, f"a{r}"))
+                eng2.append(_engine_run(engines[1], prompts, config.new_tokens, f"b{r}"))
+            step = float(np.median([e["step_s"] for e in eng]))
+            step2 = float(np.median([e["step_s"] for e in eng2]))
+            g = float(np.median(gen))
+            row = {"codec": codec, "batch": b, "generate_tok_s": g, "engine_tok_s": b / step,
+                   "engine_over_generate": b / step / g,
+                   "engine_2x_max_len_tok_s": b / step2, "step_ms": step * 1e3,
+                   "step_2x_max_len_ms": step2 * 1e3}
+            for k in ("forward", "detokenize", "host"):
+                row[f"{k}_share"] = float(np.median([e[k] for e in eng]))
+            print(row, flush=True)
+            rows.append(row)
+            del engines
+    claims = [{"claim": f"engine / generate decode tok/s, {r['codec']} batch {r['batch']}",
+               "target": ">= 0.8", "measured": r["engine_over_generate"],
+               "met": r["engine_over_generate"] >= 0.8} for r in rows]
+    claims += [{"claim": f"decode step at 2x max_len / at max_len, {r['codec']} batch "
+                         f"{r['batch']}", "target": "< 1.1",
+                "measured": r["step_2x_max_len_ms"] / r["step_ms"],
+                "met": r["step_2x_max_len_ms"] / r["step_ms"] < 1.1} for r in rows]
+    notes = [f"{config.prompt_tokens}-token random prompts, {config.new_tokens} greedy tokens, "
+             f"{config.rounds} interleaved rounds, medians; engine max_len {config.max_len} "
+             f"(and {2 * config.max_len}), prefix cache off; generate's cache holds exactly "
+             "prompt + new tokens",
+             "shares: of the engine's step() wall time over a whole run (prefill steps "
+             "included): forward calls (device + waiting for tokens), detokenization, host "
+             "scheduling"]
+    return common.Report(columns=COLUMNS, rows=rows, claims=claims, notes=notes,
+                         title="Engine decode vs generate.decode_loop (CPU)",
+                         plot=lambda fig: _plot(fig, rows))
+
+
+def _plot(fig, rows):
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [f"{r['codec']}\nb{r['batch']}" for r in rows]
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["generate_tok_s"] for r in rows], 0.4, label="generate.decode_loop")
+    ax.bar(x + 0.2, [r["engine_tok_s"] for r in rows], 0.4, label="ServingEngine")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("decode tok/s")
+    ax.legend()
