@@ -22,6 +22,7 @@ from research.model.llama import Model, forward
 from research.serving.sampling import SamplingConfig, sample
 
 PAD_BUCKET = 16  # prompt chunks are padded to a multiple of this, to bound recompiles
+PREFILL_CHUNK = 512  # `generate` prefills longer prompts in pieces of this many tokens
 
 
 class Generation(NamedTuple):
@@ -82,6 +83,43 @@ def _prefill_checked(model: Model, tokens: jax.Array, lengths: jax.Array, cache_
     out = forward(model, tokens, cache_states=cache_states, n_new=lengths, logits="last",
                   check_finite=True)
     return out.logits, out.cache_states, out.nonfinite_layer
+
+
+@jax.jit
+def _prefill_piece(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
+                   cache_states: tuple):
+    out = forward(model, tokens, cache_states=cache_states, start=start, n_new=n_new,
+                  logits="last", check_finite=True)
+    return out.logits, out.cache_states, out.nonfinite_layer
+
+
+def prefill_in_chunks(model: Model, tokens, lengths, cache_states: tuple,
+                      chunk: int = PREFILL_CHUNK):
+    """`_prefill_checked` in pieces of `chunk` tokens: (logits [B, V] at each row's last
+    prompt token, cache states, first non-finite layer per row or -1).
+
+    Attention of a chunk costs chunk x cache capacity, so one 4 x 8192 piece asked XLA for
+    ~31 GB (scores over the whole cache for every prompt token); pieces bound it, and the
+    result is the same (each piece reads what the earlier ones wrote)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    b, t = tokens.shape
+    if t <= chunk:
+        return _prefill_checked(model, jnp.asarray(tokens), jnp.asarray(lengths),
+                                cache_states)
+    logits = bad = None
+    for c0 in range(0, t, chunk):
+        piece = np.zeros((b, chunk), np.int32)
+        piece[:, :min(chunk, t - c0)] = tokens[:, c0:c0 + chunk]
+        n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
+        out, cache_states, flags = _prefill_piece(model, jnp.asarray(piece),
+                                                  jnp.full((b,), c0, jnp.int32),
+                                                  jnp.asarray(n_new), cache_states)
+        here = jnp.asarray((lengths - 1 >= c0) & (lengths - 1 < c0 + chunk))
+        logits = out if logits is None else jnp.where(here[:, None], out, logits)
+        bad = flags if bad is None else jnp.where(bad >= 0, bad, flags)
+    return logits, cache_states, bad
 
 
 @jax.jit
@@ -194,9 +232,11 @@ def prepare_prompts(model: Model, prompts: Sequence[Sequence[int]], max_new_toke
 
 def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              key: jax.Array | None = None, sampling: SamplingConfig = SamplingConfig(),
-             stop_tokens: Sequence[int] = (), max_len: int | None = None) -> Generation:
+             stop_tokens: Sequence[int] = (), max_len: int | None = None,
+             prefill_chunk: int = PREFILL_CHUNK) -> Generation:
     """Generate continuations of token-id `prompts` (greedy unless `sampling` says otherwise).
 
+    prefill_chunk: prompts longer than this are prefilled in pieces (`prefill_in_chunks`).
     max_len: cache length per sequence; default = longest prompt + max_new_tokens rounded
     up. A prompt that does not fit (prompt + max_new_tokens > max_len) is an error.
     NaN/inf in the K/V, a layer's output or the logits is a ValueError naming the layer.
@@ -206,8 +246,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     states = model.init_cache(len(prompts), max_len)
     # a model holding one weight set per phase (research.dynacore) prefills with its
     # prefill set and decodes from that cache with its decode set; others are unchanged
-    logits, states, bad = _prefill_checked(model.prefill_model, jnp.asarray(tokens),
-                                           jnp.asarray(lengths), states)
+    logits, states, bad = prefill_in_chunks(model.prefill_model, tokens, lengths, states,
+                                            prefill_chunk)
     decoded = decode_loop(
         model.decode_model, logits, jnp.asarray(lengths), states, key, max_new_tokens=max_new_tokens,
         sampling=sampling, stop_tokens=tuple(int(t) for t in stop_tokens))

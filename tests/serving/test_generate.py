@@ -135,3 +135,26 @@ def test_nan_first_met_while_decoding_names_the_step_and_layer():
 def test_nan_logits_with_finite_layers_blame_the_head(tiny):
     with pytest.raises(ValueError, match="final norm and the LM head"):
         generate(_poisoned(tiny, name="final_norm"), [[5, 9, 13]], max_new_tokens=3)
+
+
+def test_chunked_prefill_equals_one_shot_prefill():
+    """Pieces of 16 tokens (rows ending in different pieces, one shorter than a piece):
+    the same last-token logits and the same cache as one prefill of the whole prompts."""
+    from research.model import init_params, make_model, tiny_config
+    from research.serving.generate import _prefill_checked, pad_prompts, prefill_in_chunks
+    config = tiny_config(vocab_size=64, max_position=128, head_dim=16, n_heads=4,
+                         n_kv_heads=2)
+    model = make_model(config, init_params(config, jax.random.key(11)))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 64, n).tolist() for n in (45, 9, 33, 16)]
+    tokens, lengths = pad_prompts(prompts, 64)
+    want_logits, want_states, _ = _prefill_checked(
+        model, jnp.asarray(tokens), jnp.asarray(lengths), model.init_cache(4, 64))
+    logits, states, bad = prefill_in_chunks(model, tokens, lengths,
+                                            model.init_cache(4, 64), chunk=16)
+    np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=2e-5)
+    for got, want in zip(jax.tree.leaves(states), jax.tree.leaves(want_states)):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert (np.asarray(bad) == -1).all()
+    with pytest.raises(ValueError, match="chunk"):
+        prefill_in_chunks(model, tokens, lengths, model.init_cache(4, 64), chunk=0)
