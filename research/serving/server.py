@@ -765,7 +765,8 @@ def kv_codec_model(model, tokenizer, kv_codec: str, *, seed: int = 0,
                    calibration_seqs: int = 16, calibration_len: int = 256):
     """`model` with its KV cache stored by `kv_codec` (f32 / bf16 / int8 / tasq-1bit).
 
-    tasq-1bit calibrates TaSQ (1 bit per channel, post-RoPE keys) on the calibration split
+    tasq-1bit calibrates TaSQ (1 bit per channel, TaSQConfig's default pre-RoPE keys) on
+    the calibration split
     of the embedded corpus (research/data.py), never on text it is evaluated on."""
     from research.transforms import CalibrationData, calibrate_and_apply
     if kv_codec not in KV_CODECS:
