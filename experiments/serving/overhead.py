@@ -10,6 +10,9 @@ What:      per KV codec (f32, bf16, TaSQ 1-bit pages) and batch (8, 32): B promp
            prompt + new tokens); engine: `ServingEngine.step()` with the prefix cache off,
            decode tok/s = B / the median pure-decode step. The engine also runs at twice
            `max_len` with the same prompts (live-length reads: the step should not change).
+Profile:   the sampler on [max batch, vocab] logits (all greedy, half sampled, and the
+           full-vocabulary sort it replaced), and one decode forward as the bf16 page pool
+           grows 1x / 4x / 16x at the same live rows.
 Expected:  engine decode tok/s >= 0.8x generate's at batch 8 and 32 (issue 34's target);
            the step time at 2x max_len within 10% of the one at max_len.
 Nothing here is tuned on an evaluation split: random token prompts, greedy decoding.
@@ -34,4 +37,5 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.block_size = 16
     c.prefill_chunk = 128
     c.calibration_seqs = 4 if arg == "small" else 16
+    c.profile_reps = 10
     return c

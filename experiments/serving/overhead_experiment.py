@@ -59,6 +59,68 @@ def _engine_run(engine, prompts, new_tokens, tag) -> dict:
             "detokenize": st.detokenize_s / st.step_s, "host": st.host_s / st.step_s}
 
 
+def _median_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def sampling_profile(vocab: int, batch: int, reps: int) -> list[dict]:
+    """The engine's sampler on [batch, vocab] logits: all greedy, half the rows sampled
+    (top-p 0.9), and the full-vocabulary sort it replaced (the reference filter + draw)."""
+    from research.serving.sampling import filter_logits_per_row, sample_per_row
+    logits = jax.random.normal(jax.random.key(0), (batch, vocab)) * 3
+    keys = jnp.zeros((batch, 2), jnp.uint32)
+    hot = jnp.arange(batch) % 2 == 0
+    settings = {"all greedy": (jnp.zeros(batch), jnp.ones(batch)),
+                "half sampled (T 0.8, top-p 0.9)": (jnp.where(hot, 0.8, 0.0),
+                                                     jnp.full(batch, 0.9))}
+    fn = jax.jit(sample_per_row)
+    rows = [{"what": f"sample_per_row, {name}", "ms": _median_ms(
+        lambda t=t, p=p: fn(logits, t, jnp.zeros(batch, jnp.int32), p, keys), reps)}
+        for name, (t, p) in settings.items()]
+
+    @jax.jit
+    def full_sort(logits, t, p):
+        filtered = filter_logits_per_row(logits, t, jnp.zeros(batch, jnp.int32), p)
+        return jax.vmap(jax.random.categorical)(jax.random.wrap_key_data(keys), filtered)
+    rows.append({"what": "full-vocabulary sort + draw (the sampler before)", "ms": _median_ms(
+        lambda: full_sort(logits, jnp.full(batch, 0.8), jnp.full(batch, 0.9)), reps)})
+    return rows
+
+
+def pool_size_profile(served, batch: int, config, reps: int) -> list[dict]:
+    """One decode forward of the engine (`serve_forward`, bf16 pages) as the pool grows at
+    the same live rows: flat when pages are updated in place."""
+    from research.serving.engine import serve_forward
+    from research.serving.paged_pool import PagedPool
+    rows = []
+    per_seq = -(-config.max_len // config.block_size)
+    live = -(-(config.prompt_tokens + 1) // config.block_size)
+    for factor in (1, 4, 16):
+        pool = PagedPool(served, n_blocks=factor * batch * per_seq, block_size=config.block_size,
+                         max_len=config.max_len)
+        table = np.arange(batch * live, dtype=np.int32).reshape(batch, live)
+        i32 = np.zeros(batch, np.int32)
+        args = (np.zeros((batch, 1), np.int32), np.full(batch, config.prompt_tokens, np.int32),
+                np.ones(batch, np.int32), np.zeros(batch, np.float32), i32,
+                np.ones(batch, np.float32), np.zeros((batch, 2), np.uint32))
+
+        def step():
+            pool.pools, sampled, _ = serve_forward(pool.model, pool.pools, table, *args,
+                                                   verify=False)
+            return sampled
+        rows.append({"what": f"decode forward, batch {batch}, {pool.n_blocks} blocks "
+                             f"({pool.n_blocks * pool.block_bytes / 2**20:.0f} MiB of pages)",
+                     "ms": _median_ms(step, reps)})
+        del pool
+    return rows
+
+
 def run(config, out_dir) -> common.Report:
     del out_dir
     from research.serving.engine import ServingEngine
@@ -97,6 +159,13 @@ def run(config, out_dir) -> common.Report:
             print(row, flush=True)
             rows.append(row)
             del engines
+    from research.model.precision import kv_cache_dtype
+    from research.transforms import calibrate_and_apply
+    profile = sampling_profile(model.config.vocab_size, max(config.batches), config.profile_reps)
+    profile += pool_size_profile(calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0],
+                                 min(config.batches), config, config.profile_reps)
+    for row in profile:
+        print(row, flush=True)
     claims = [{"claim": f"engine / generate decode tok/s, {r['codec']} batch {r['batch']}",
                "target": ">= 0.8", "measured": r["engine_over_generate"],
                "met": r["engine_over_generate"] >= 0.8} for r in rows]
@@ -111,7 +180,10 @@ def run(config, out_dir) -> common.Report:
              "shares: of the engine's step() wall time over a whole run (prefill steps "
              "included): forward calls (device + waiting for tokens), detokenization, host "
              "scheduling"]
-    return common.Report(columns=COLUMNS, rows=rows, claims=claims, notes=notes,
+    tables = [{"title": "Where a step's time went: the sampler and the pool-size scaling "
+                        "(medians, ms)", "columns": ["what", "ms"], "rows": profile}]
+    return common.Report(columns=COLUMNS, rows=rows, claims=claims, notes=notes, tables=tables,
+                         extra={"profile": profile},
                          title="Engine decode vs generate.decode_loop (CPU)",
                          plot=lambda fig: _plot(fig, rows))
 

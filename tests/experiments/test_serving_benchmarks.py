@@ -1,0 +1,64 @@
+"""The engine-overhead and long-context serving benchmarks end to end on a tiny GGUF
+model: every row measured, claims computed, no compiles while serving."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from research.model import init_params, tiny_config
+from tests.model.gguf_writer import byte_vocab, write_llama_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    config = tiny_config(vocab_size=len(byte_vocab()[0]), head_dim=16, max_position=512)
+    return write_llama_gguf(tmp_path_factory.mktemp("g") / "tiny.gguf", config,
+                            init_params(config, jax.random.key(0)))
+
+
+def _run(config: str, gguf, workdir, *overrides) -> dict:
+    cmd = [sys.executable, "-m", "experiments.run", f"--config={config}",
+           f"--workdir={workdir}", f"--config.gguf_path={gguf}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = next(p for p in Path(workdir).iterdir() if p.is_dir())
+    return json.loads((name / "results.json").read_text())
+
+
+def test_overhead_benchmark(gguf, tmp_path):
+    result = _run("experiments/serving/overhead.py:small", gguf, tmp_path,
+                  "--config.codecs=('bf16','tasq-1bit')", "--config.batches=(2,)",
+                  "--config.prompt_tokens=16", "--config.new_tokens=6", "--config.rounds=1",
+                  "--config.max_len=64", "--config.block_size=8", "--config.prefill_chunk=16",
+                  "--config.calibration_seqs=2", "--config.profile_reps=2")
+    assert [(r["codec"], r["batch"]) for r in result["rows"]] == [("bf16", 2),
+                                                                  ("tasq-1bit", 2)]
+    for r in result["rows"]:
+        assert r["generate_tok_s"] > 0 and r["engine_tok_s"] > 0
+        assert 0 < r["forward_share"] <= 1 and r["host_share"] < 1
+    assert len(result["claims"]) == 4
+    assert len(result["extra"]["profile"]) == 6  # 3 sampler rows, 3 pool sizes
+    assert all(r["ms"] > 0 for r in result["extra"]["profile"])
+
+
+def test_long_context_benchmark(gguf, tmp_path):
+    result = _run("experiments/serving/long_context.py:small", gguf, tmp_path,
+                  "--config.contexts=(64,)", "--config.batch=2", "--config.decode_steps=4",
+                  "--config.block_size=8", "--config.prefill_chunk=32",
+                  "--config.min_read_len=32", "--config.calibration_seqs=2",
+                  "--config.memory_batch=2", "--config.memory_context=128")
+    rows = {r["codec"]: r for r in result["rows"]}
+    assert set(rows) == {"bf16", "int8", "tasq-1bit", "tasq-1bit-post-rope"}
+    for r in rows.values():
+        assert r["decode_tok_s"] > 0 and r["compiles_while_serving"] == 0
+    assert rows["bf16"]["kv_bytes_per_token"] == 16 * rows["tasq-1bit"]["kv_bytes_per_token"]
+    assert rows["tasq-1bit"]["seqs_vs_bf16"] >= 15
+    mem = result["extra"]["prefill_memory"]
+    assert mem["chunked_bytes"] < mem["one_piece_bytes"]
