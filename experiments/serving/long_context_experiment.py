@@ -84,9 +84,9 @@ def prefill_memory(model, batch: int, context: int, chunk: int) -> dict:
         return int(mem.argument_size_in_bytes + mem.temp_size_in_bytes
                    + mem.output_size_in_bytes - mem.alias_size_in_bytes)
 
-    return {"one_piece_bytes": planned(G._prefill_checked, i32(batch, context), i32(batch),
-                                       states),
-            "chunked_bytes": planned(G._prefill_piece, i32(batch, chunk), i32(batch),
+    return {"one_piece_bytes": planned(G.prefill_piece, i32(batch, context), i32(batch),
+                                       i32(batch), states),
+            "chunked_bytes": planned(G.prefill_piece, i32(batch, chunk), i32(batch),
                                      i32(batch), states)}
 
 

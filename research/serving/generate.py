@@ -86,8 +86,10 @@ def _prefill_checked(model: Model, tokens: jax.Array, lengths: jax.Array, cache_
 
 
 @jax.jit
-def _prefill_piece(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
-                   cache_states: tuple):
+def prefill_piece(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
+                  cache_states: tuple):
+    """One piece of a prompt (row b's tokens at start[b] + t, the first n_new[b] real):
+    (logits at each row's last real token, cache states, first non-finite layer or -1)."""
     out = forward(model, tokens, cache_states=cache_states, start=start, n_new=n_new,
                   logits="last", check_finite=True)
     return out.logits, out.cache_states, out.nonfinite_layer
@@ -113,7 +115,7 @@ def prefill_in_chunks(model: Model, tokens, lengths, cache_states: tuple,
         piece = np.zeros((b, chunk), np.int32)
         piece[:, :min(chunk, t - c0)] = tokens[:, c0:c0 + chunk]
         n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
-        out, cache_states, flags = _prefill_piece(model, jnp.asarray(piece),
+        out, cache_states, flags = prefill_piece(model, jnp.asarray(piece),
                                                   jnp.full((b,), c0, jnp.int32),
                                                   jnp.asarray(n_new), cache_states)
         here = jnp.asarray((lengths - 1 >= c0) & (lengths - 1 < c0 + chunk))
