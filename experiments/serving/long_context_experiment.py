@@ -1,7 +1,6 @@
 """Long-context experiment (see long_context.py for the command and what is measured)."""
 from __future__ import annotations
 
-import math
 import time
 
 import jax
@@ -9,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments.serving.overhead_experiment import release_compiled
 from research import data
 from research.model import load
 from research.serving.api import Request, SamplingParams
@@ -111,6 +111,7 @@ def run(config, out_dir) -> common.Report:
                    "compiles_while_serving": r["compiles_while_serving"]}
             print(row, flush=True)
             rows.append(row)
+            release_compiled()
     for row in rows:
         ref = next(r for r in rows if r["context"] == row["context"] and r["codec"] == "bf16")
         row["vs_bf16"] = row["decode_tok_s"] / ref["decode_tok_s"]

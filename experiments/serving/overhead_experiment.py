@@ -1,6 +1,7 @@
 """Engine overhead experiment (see overhead.py for the command and what is measured)."""
 from __future__ import annotations
 
+import gc
 import time
 
 import jax
@@ -57,6 +58,14 @@ def _engine_run(engine, prompts, new_tokens, tag) -> dict:
     st = engine.step_stats
     return {"step_s": float(np.median(decode_steps)), "forward": st.forward_s / st.step_s,
             "detokenize": st.detokenize_s / st.step_s, "host": st.host_s / st.step_s}
+
+
+def release_compiled() -> None:
+    """Drop compiled programs and dead engines: every engine compiles a dozen programs, and
+    XLA:CPU ran out of executable memory ("LLVM compilation error: Cannot allocate
+    memory") after five codec x batch settings in one process."""
+    gc.collect()
+    jax.clear_caches()
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -159,6 +168,7 @@ def run(config, out_dir) -> common.Report:
             print(row, flush=True)
             rows.append(row)
             del engines
+            release_compiled()
     from research.model.precision import kv_cache_dtype
     from research.transforms import calibrate_and_apply
     profile = sampling_profile(model.config.vocab_size, max(config.batches), config.profile_reps)
