@@ -48,7 +48,9 @@ What the engine does not do yet:
 - Speculative decoding only for greedy requests (sampled requests decode one token per
   step beside them) and only with prompt-lookup drafts; no draft model.
 - The decode step and the prefill chunks are two forward calls per step (not one fused
-  ragged batch), and each step waits for its tokens (no host/device overlap).
+  ragged batch), and each step waits for its tokens (no host/device overlap: on CPU the
+  forward calls are ~99% of a step's wall time, `StepStats` / experiments/serving/overhead.py,
+  so there is nothing to hide yet; on an accelerator there may be).
 - No NaN/inf check while serving (`generate()` has one; here a non-finite row would
   sample garbage rather than fail).
 - No priorities or fairness beyond first-come-first-served admission and
