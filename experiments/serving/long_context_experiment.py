@@ -16,7 +16,7 @@ from research.serving.api import Request, SamplingParams
 TECHNIQUE = "serving"
 DEFAULTS_CHOSEN_ON = "none: a-priori engine settings, speed only (no quality is scored)"
 
-COLUMNS = ["context", "codec", "decode_tok_s", "vs_bf16", "step_ms", "prefill_s",
+COLUMNS = ["context", "prompt_tokens", "codec", "decode_tok_s", "vs_bf16", "step_ms", "prefill_s",
            "kv_bytes_per_token", "seqs_at_budget", "seqs_vs_bf16"]
 
 
@@ -44,7 +44,7 @@ def decode_speed(served, tok, prompts, config) -> dict:
     full batch with the engine's own primitives (prefill / insert / generate)."""
     from research.serving.engine import ServingEngine
     bs = config.block_size
-    max_len = len(prompts[0]) + config.decode_steps + 2 * bs
+    max_len = len(prompts[0]) + config.decode_steps + 1
     per_seq = -(-max_len // bs)
     engine = ServingEngine(
         served, tok, n_blocks=(len(prompts) + 1) * per_seq + 1, block_size=bs,
@@ -100,11 +100,15 @@ def run(config, out_dir) -> common.Report:
         if len(ids) < config.batch * context:
             raise ValueError(f"the {config.text_split} text has {len(ids)} tokens, fewer "
                              f"than batch x context = {config.batch * context}")
-        prompts = [ids[i * context:(i + 1) * context] for i in range(config.batch)]
+        # a prompt and its decoded tokens must fit the model's positions: at the trained
+        # length (8192) the prompt is context - decode_steps - 1 tokens
+        n = min(context, model.config.max_position - config.decode_steps - 1)
+        prompts = [ids[i * n:(i + 1) * n] for i in range(config.batch)]
         for codec in config.codecs:
             r = decode_speed(served_model(model, tok, codec, config), tok, prompts, config)
             per_seq_bytes = -(-context // config.block_size) * r["block_bytes"]
-            row = {"context": context, "codec": codec, "decode_tok_s": r["decode_tok_s"],
+            row = {"context": context, "prompt_tokens": n, "codec": codec,
+                   "decode_tok_s": r["decode_tok_s"],
                    "step_ms": r["step_ms"], "prefill_s": r["prefill_s"],
                    "kv_bytes_per_token": r["block_bytes"] / config.block_size,
                    "seqs_at_budget": int(budget // per_seq_bytes),

@@ -184,10 +184,12 @@ def as_stored(x: Array) -> Array:
     """How a page pool of `x`'s dtype is stored: 16-bit floats by their uint16 bits.
 
     XLA:CPU has no bf16/f16 scatter or in-place update: it converts the whole operand to
-    f32 and back, a copy of the entire pool per layer per step (measured: the engine's
-    bf16 decode step grew linearly with n_blocks, 64 -> 504 ms from 136 to 2,056 blocks;
-    uint16 updates stay in place). Pages are therefore stored as bits and viewed as
-    floats after they are gathered (`as_logical`): same bytes, same values."""
+    f32 and back, a copy of the entire pool per layer per step (the engine's bf16 decode
+    step grew linearly with n_blocks; uint16 updates stay in place, see
+    results/serving_overhead_small). Pages are therefore stored as bits and viewed as
+    floats after they are gathered (`as_logical`): same bytes, same values. The Pallas
+    kernels (TPU/GPU) get the whole pool viewed as floats, a same-width bitcast (expected
+    to be free there; not yet timed on hardware)."""
     if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
         return jax.lax.bitcast_convert_type(x, jnp.uint16)
     return x
