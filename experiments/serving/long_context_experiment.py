@@ -131,7 +131,7 @@ def run(config, out_dir) -> common.Report:
              f"the first), prompts = consecutive tokens of the text; prefill "
              f"through the engine in {config.prefill_chunk}-token chunks; reads bucketed "
              f"from {config.min_read_len} tokens",
-             f"seqs_at_budget: {config.budget_gib} GiB / (blocks of a {'{context}'}-token "
+             f"seqs_at_budget: {config.budget_gib} GiB / (blocks of a context-length "
              "sequence x the pool's measured block bytes)",
              f"generate prefill of {config.memory_batch} x {config.memory_context} (f32 "
              f"weights, bf16 cache), XLA-planned bytes: one piece {mem['one_piece_bytes'] / 2**30:.1f} GiB, 512-token pieces "
