@@ -14,19 +14,7 @@ from research.serving.engine import ServingEngine, serve_forward
 from research.serving.generate import generate
 from research.tasq import int8_kv
 from research.transforms import calibrate_and_apply
-
-
-class CharTokenizer:
-    eos_id = 4
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special=False):
-        return "".join(chr(i) for i in ids if not (skip_special and i == self.eos_id))
-
-    def token_to_id(self, token):
-        return None
+from tests.serving.test_engine import CharTokenizer
 
 
 TOK = CharTokenizer()
