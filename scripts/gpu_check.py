@@ -5,8 +5,8 @@ random inputs, then time it against the XLA path in the same process.
     PYTHONPATH=. python scripts/gpu_check.py --out gpu_check.json [--sections a,b] [--quick]
     PYTHONPATH=. python scripts/gpu_check.py --dry-run   # CPU: bench bookkeeping only
 
-Sections (in order): check_vq, check_paged, check_gmm, bench_vq, bench_paged, bench_gmm;
-tune_vq (block shapes and dot precision of the VQ kernel) only when named. The whole run
+Sections (in order): check_vq, check_paged, check_paged_codecs, check_gmm,
+bench_paged_codecs, bench_vq, bench_paged, bench_gmm; tune_vq (block shapes and dot precision of the VQ kernel) only when named. The whole run
 stays under --budget-s (default 450 s, for an 8-minute device slot): a section that would
 start past the budget is recorded as skipped. A failing case is recorded with its error
 and the run goes on; the JSON file is rewritten after every section, so a run stopped at
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench sc
 
 import bench_grouped_matmul_gpu as gmm_bench  # noqa: E402
 import bench_paged_attention_gpu as paged_bench  # noqa: E402
+import bench_paged_codecs_gpu as codecs_bench  # noqa: E402
 import bench_vq_attention_gpu as vq_bench  # noqa: E402
 from research.core.timing import time_fn  # noqa: E402
 from kernels_pallas.grouped_matmul import (BlockSizes as GmmBlocks, grouped_matmul,  # noqa: E402
@@ -41,12 +42,14 @@ from kernels_pallas.grouped_matmul import (BlockSizes as GmmBlocks, grouped_matm
                                            transposed_grouped_matmul)
 from kernels_pallas.grouped_matmul import kernel as gmm_kernel  # noqa: E402
 from kernels_pallas.paged_attention import api as paged  # noqa: E402
-from kernels_pallas.vq_attention import BlockSizes, KeyRope, vq_decode_attention  # noqa: E402
+from kernels_pallas.vq_attention import (BlockSizes, KeyRope, vq_decode_attention,  # noqa: E402
+                                         vq_decode_attention_paged_codes)
+from research.kv.quantized import quantize_int8  # noqa: E402
 
-SECTIONS = ("check_vq", "check_paged", "check_gmm", "bench_vq", "bench_paged", "bench_gmm",
-            "tune_vq")
+SECTIONS = ("check_vq", "check_paged", "check_paged_codecs", "check_gmm",
+            "bench_paged_codecs", "bench_vq", "bench_paged", "bench_gmm", "tune_vq")
 DEFAULT_SECTIONS = SECTIONS[:-1]
-DRY_SECTIONS = ("bench_vq", "bench_paged")
+DRY_SECTIONS = ("bench_paged_codecs", "bench_vq", "bench_paged")
 GPU_VQ_BLOCKS = BlockSizes(block_kv=64, blocks_per_split=32)
 
 
@@ -141,6 +144,48 @@ def check_paged(rng, quick: bool) -> list[dict]:
     return rows
 
 
+def check_paged_codecs(rng, quick: bool) -> list[dict]:
+    """Compressed pages read through the block table: int8 pages + float16 scales
+    (paged_attention with scales) and 1-bit VQ code pages (vq_attention.paged, post- and
+    pre-RoPE), SmolLM2 layer shapes, ragged rows: one full, one with an unmapped page inside
+    its length (masked), one short with an unmapped tail, one empty."""
+    b, hq, hkv, d, bs, n, m = 4, 9, 3, 64, 16, 300, 64
+    table = rng.permutation(n)[:b * m].reshape(b, m).astype(np.int32)
+    table[1, 5] = -1
+    table[2, 3:] = -1
+    lengths = jnp.asarray([m * bs, m * bs - 5, 37, 0], jnp.int32)
+    table = jnp.asarray(table)
+    q = jnp.asarray(rng.normal(size=(b, hq, d)), jnp.float32)
+    rows = []
+    (k8, ks), (v8, vs) = (quantize_int8(jnp.asarray(rng.normal(size=(n, bs, hkv, d)),
+                                                    jnp.float32)) for _ in range(2))
+    for window in (None, 100):
+        args = (q, k8, v8, table, lengths)
+        kw = dict(k_scale=ks, v_scale=vs, window=window)
+        want = paged.paged_decode_attention(*args, implementation="xla", **kw)
+        row = checked({"codec": "int8", "window": window},
+                      lambda: paged.paged_decode_attention(*args, implementation="pallas", **kw),
+                      want)
+        rows.append(row)
+    codes = lambda: jnp.asarray(rng.integers(0, 256, (n, bs, hkv, 8)), jnp.uint8)  # noqa
+    books = lambda: jnp.asarray(rng.normal(size=(hkv, 8, 256, 8)), jnp.float32)  # noqa
+    args = (q, codes(), codes(), books(), books(), table, lengths)
+    rope = KeyRope.from_permutation(np.stack([rng.permutation(d) for _ in range(hkv)]),
+                                    10000.0)
+    for pre in (False, True):
+        key_rope = rope if pre else None
+        want = vq_decode_attention_paged_codes(*args, key_rope=key_rope, implementation="xla")
+        for precision, tol in (("highest", 1e-3), ("default", 1e-2)):
+            got = lambda: vq_decode_attention_paged_codes(  # noqa: E731
+                *args, key_rope=key_rope, implementation="pallas", precision=precision)
+            row = checked({"codec": "tasq", "pre_rope": pre, "precision": precision,
+                           "tol": tol}, got, want)
+            if "error" not in row:
+                row["empty_row_zero"] = bool(not np.any(np.asarray(got()[3])))
+            rows.append(row)
+    return rows
+
+
 def _gmm_pairs(rng, dtype, m: int, sizes, full: bool) -> dict:
     """{op: (reference, kernel) thunks} on fresh inputs; `full` adds rhs^T, tgmm, grads."""
     k, n = 256, 384
@@ -206,6 +251,12 @@ def bench_paged(rng, quick: bool, dry_run: bool = False) -> list[dict]:
     return paged_bench.run(**_bench_sizes(quick), warmup=3, repeats=20, dry_run=dry_run)
 
 
+def bench_paged_codecs(rng, quick: bool, dry_run: bool = False) -> list[dict]:
+    contexts = (4096, 32768) if quick else codecs_bench.CONTEXTS
+    return codecs_bench.run(codecs_bench.BATCHES, contexts, warmup=3, repeats=20,
+                            dry_run=dry_run)
+
+
 def tune_vq(rng, quick: bool) -> list[dict]:
     """Pallas VQ kernel times over block shapes and dot precision, batch 32, 32k context."""
     x = vq_bench.coded_inputs(rng, "smollm2_layer", 32, 32768)
@@ -234,7 +285,8 @@ def bench_gmm(rng, quick: bool) -> list[dict]:
     return rows
 
 
-CHECK_TOLERANCE = {"check_vq": 1e-3, "check_paged": 2e-2, "check_gmm": 2e-2}
+CHECK_TOLERANCE = {"check_vq": 1e-3, "check_paged": 2e-2, "check_paged_codecs": 1e-3,
+                   "check_gmm": 2e-2}
 
 
 def main(argv=None) -> int:

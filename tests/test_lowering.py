@@ -84,6 +84,20 @@ def _paged_model():
     return paged_kv_cache(block_size=16).apply(model, None)
 
 
+def _paged_int8_model():
+    from research.kv.dense import DenseKVCache
+    from research.kv.paged import paged_kv_cache
+    from research.kv.quantized import Int8Codec
+    model = make_model(DECODE_CONFIG, init_params(DECODE_CONFIG, jax.random.key(0)))
+    model = model.replace(caches=(DenseKVCache(Int8Codec()),) * DECODE_CONFIG.n_layers)
+    return paged_kv_cache(block_size=16).apply(model, None)
+
+
+def _paged_vq_model():
+    from research.kv.paged import paged_kv_cache
+    return paged_kv_cache(block_size=16).apply(_vq_codec_model(), None)
+
+
 def _decode_targets(model, platform):
     """Custom calls of one jitted decode step (one new token per row, 64 cached)."""
     states = jax.eval_shape(lambda: model.init_cache(2, 64))
@@ -95,13 +109,17 @@ def _decode_targets(model, platform):
         lowering_platforms=(platform,)).as_text())
 
 
-@pytest.mark.parametrize("make", [_vq_codec_model, _paged_model], ids=["tasq", "paged"])
+ALL_DECODE_MODELS = [_vq_codec_model, _paged_model, _paged_int8_model, _paged_vq_model]
+DECODE_IDS = ["tasq", "paged", "paged-int8", "paged-tasq"]
+
+
+@pytest.mark.parametrize("make", ALL_DECODE_MODELS, ids=DECODE_IDS)
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_decode_step_lowers_to_the_pallas_kernel_by_default(make, platform):
     assert has_pallas_call(_decode_targets(make(), platform), platform)
 
 
-@pytest.mark.parametrize("make", [_vq_codec_model, _paged_model], ids=["tasq", "paged"])
+@pytest.mark.parametrize("make", ALL_DECODE_MODELS, ids=DECODE_IDS)
 def test_decode_step_on_cpu_is_xla(make):
     targets = _decode_targets(make(), "cpu")
     assert not has_pallas_call(targets, "tpu") and not has_pallas_call(targets, "cuda")

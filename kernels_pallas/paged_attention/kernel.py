@@ -5,6 +5,11 @@ Layout (research.kv paged layout, token axes lead):
     k_pool, v_pool  [N, block_size, Hkv, D]   page n holds block_size tokens of every KV head
     block_table     [B, M] int32              row b's m-th page; -1 = unmapped (masked)
     lengths         [B]                       row b attends to its first lengths[b] tokens
+    k_scale, v_scale [N, block_size, Hkv, 1]  optional: pages hold int8 codes, token t of
+                                              head h is page[t, h] * scale[t, h] (Int8Codec)
+
+Scaled (int8) pages are dequantized one page tile at a time in VMEM/registers: only the
+codes and their scales cross HBM, never a float copy of the pool.
 
 Both kernels split each row's M pages into `n_splits` context splits (flash decoding):
 every (row, split) program writes an unnormalised partial output with its running max and
@@ -113,10 +118,24 @@ def merge_splits(o, m, l):
 
 
 # -- TPU ---------------------------------------------------------------------------------
+def _page_tile(refs, scale_refs, h: int):
+    """Head h's tokens of the step's pages end to end [P*S, D]; int8 pages times their
+    scales (f32), float pages as stored."""
+    x = jnp.concatenate([r[:, h, :] for r in refs], axis=0)
+    if scale_refs is None:
+        return x
+    scales = jnp.concatenate([r[:, h, :] for r in scale_refs], axis=0)  # [P*S, 1]
+    return x.astype(jnp.float32) * scales.astype(jnp.float32)
+
+
 def _tpu_kernel(tbl_ref, len_ref, q_ref, *refs, pages: int, block_size: int, hkv: int,
                 group: int, steps: int, m_pad: int, window: int | None, scale: float,
-                precision):
+                precision, scaled: bool):
     k_refs, v_refs = refs[:pages], refs[pages:2 * pages]
+    ks_refs = vs_refs = None
+    if scaled:
+        ks_refs, vs_refs = refs[2 * pages:3 * pages], refs[3 * pages:4 * pages]
+        refs = refs[2 * pages:]
     o_ref, m_out, l_out, m_ref, l_ref, acc_ref = refs[2 * pages:]
     b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = len_ref[b]
@@ -143,8 +162,8 @@ def _tpu_kernel(tbl_ref, len_ref, q_ref, *refs, pages: int, block_size: int, hkv
             valid &= ~in_page | (tbl_ref[b * m_pad + page] >= 0)
         for h in range(hkv):
             rows = slice(h * group, (h + 1) * group)
-            keys = jnp.concatenate([r[:, h, :] for r in k_refs], axis=0)  # [P*S, D]
-            vals = jnp.concatenate([r[:, h, :] for r in v_refs], axis=0)
+            keys = _page_tile(k_refs, ks_refs, h)  # [P*S, D]
+            vals = _page_tile(v_refs, vs_refs, h)
             q = (q_ref[rows, :].astype(jnp.float32) * scale).astype(keys.dtype)
             m, l, acc = _online_softmax(q, keys, vals, valid, m_ref[rows, :], l_ref[rows, :],
                                         acc_ref[rows, :], precision)
@@ -157,9 +176,11 @@ def _tpu_kernel(tbl_ref, len_ref, q_ref, *refs, pages: int, block_size: int, hkv
         l_out[...] = l_ref[...]
 
 
-def paged_decode_attention_tpu(q, k_pool, v_pool, block_table, lengths, *, window, interpret,
+def paged_decode_attention_tpu(q, k_pool, v_pool, block_table, lengths, k_scale=None,
+                               v_scale=None, *, window, interpret,
                                block_sizes: BlockSizes = BlockSizes()):
-    """q [B, Hq, D] -> [B, Hq, D]; Mosaic TPU kernel (or its interpretation on CPU)."""
+    """q [B, Hq, D] -> [B, Hq, D]; Mosaic TPU kernel (or its interpretation on CPU).
+    k_scale/v_scale: int8 pages' scales (module docstring), or None."""
     b, hq, d = q.shape
     _, s, hkv, _ = k_pool.shape
     m = block_table.shape[1]
@@ -168,26 +189,30 @@ def paged_decode_attention_tpu(q, k_pool, v_pool, block_table, lengths, *, windo
     steps, m_pad = per_split // pages, per_split * n_splits
     table = _padded_table(block_table, m_pad).reshape(-1)  # 1-D: SMEM pads 2-D arrays
 
-    def page_map(i):
+    def page_map(i, width=d):
         def index(bi, sp, st, tbl, lens):
             first, last = _live_pages(lens[bi], s, window)
             page = jnp.clip((sp * steps + st) * pages + i, first, jnp.maximum(last, first))
             return jnp.maximum(tbl[bi * m_pad + jnp.minimum(page, m_pad - 1)], 0), 0, 0, 0
-        return pl.BlockSpec((None, s, hkv, d), index)
+        return pl.BlockSpec((None, s, hkv, width), index)
 
     row_spec = pl.BlockSpec((None, hq, d), lambda bi, sp, st, tbl, lens: (bi, 0, 0))
     out_spec = lambda w: pl.BlockSpec((None, None, hq, w),  # noqa: E731
                                       lambda bi, sp, st, tbl, lens: (bi, sp, 0, 0))
     kv_specs = [page_map(i) for i in range(pages)]
+    scaled = k_scale is not None
+    scale_specs = [page_map(i, 1) for i in range(pages)] * 2 if scaled else []
+    scale_pools = [k_scale] * pages + [v_scale] * pages if scaled else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=(b, n_splits, steps),
-        in_specs=[row_spec, *kv_specs, *kv_specs],
+        in_specs=[row_spec, *kv_specs, *kv_specs, *scale_specs],
         out_specs=[out_spec(d), out_spec(1), out_spec(1)],
         scratch_shapes=[pltpu.VMEM((hq, 1), jnp.float32), pltpu.VMEM((hq, 1), jnp.float32),
                         pltpu.VMEM((hq, d), jnp.float32)])
     kernel = functools.partial(_tpu_kernel, pages=pages, block_size=s, hkv=hkv,
                                group=hq // hkv, steps=steps, m_pad=m_pad, window=window,
-                               scale=d ** -0.5, precision=_precision(k_pool.dtype))
+                               scale=d ** -0.5, precision=_precision(_compute_dtype(k_pool)),
+                               scaled=scaled)
     stats = jax.ShapeDtypeStruct((b, n_splits, hq, 1), jnp.float32)
     o, m_, l_ = pl.pallas_call(
         kernel, grid_spec=grid_spec,
@@ -195,8 +220,14 @@ def paged_decode_attention_tpu(q, k_pool, v_pool, block_table, lengths, *, windo
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret, name="paged_decode_attention_tpu",
-    )(table, lengths.astype(jnp.int32), q, *([k_pool] * pages), *([v_pool] * pages))
+    )(table, lengths.astype(jnp.int32), q, *([k_pool] * pages), *([v_pool] * pages),
+      *scale_pools)
     return merge_splits(o, m_, l_).astype(q.dtype)
+
+
+def _compute_dtype(pool):
+    """Scores and values are computed in the pool's float dtype; int8 pages in f32."""
+    return pool.dtype if jnp.issubdtype(pool.dtype, jnp.floating) else jnp.dtype(jnp.float32)
 
 
 # -- GPU (Triton) ------------------------------------------------------------------------
@@ -206,8 +237,12 @@ def gpu_supports(block_size: int, head_dim: int) -> bool:
     return pow2(block_size) and pow2(head_dim) and block_size >= 16 and head_dim >= 16
 
 
-def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_out, l_out, *,
-                block_size: int, per_split: int, window: int | None, precision):
+def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, *refs, block_size: int,
+                per_split: int, window: int | None, precision, scaled: bool):
+    ks_ref = vs_ref = None
+    if scaled:
+        ks_ref, vs_ref, refs = refs[0], refs[1], refs[2:]
+    o_ref, m_out, l_out = refs
     h, split = pl.program_id(1), pl.program_id(2)
     length = len_ref[0]
     q = q_ref[...]  # [Gp, D], pre-scaled f32 (or the pool dtype)
@@ -219,8 +254,8 @@ def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_out, l_out, *,
     def body(p, carry):
         page = table_ref[p]
         safe = jnp.maximum(page, 0)
-        keys = k_ref[safe, pl.ds(0, block_size), h, pl.ds(0, d)]
-        vals = v_ref[safe, pl.ds(0, block_size), h, pl.ds(0, d)]
+        keys = _gpu_tile(k_ref, ks_ref, safe, h, block_size, d)
+        vals = _gpu_tile(v_ref, vs_ref, safe, h, block_size, d)
         pos = p * block_size + jax.lax.broadcasted_iota(jnp.int32, (1, block_size), 1)
         valid = (pos < length) & (page >= 0)
         if window is not None:
@@ -235,9 +270,20 @@ def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_out, l_out, *,
     l_out[...] = l
 
 
-def paged_decode_attention_gpu(q, k_pool, v_pool, block_table, lengths, *, window, interpret,
+def _gpu_tile(ref, scale_ref, page, h: int, block_size: int, d: int):
+    """Head h's [block_size, D] tile of one page; int8 pages times their scales (f32)."""
+    x = ref[page, pl.ds(0, block_size), h, pl.ds(0, d)]
+    if scale_ref is None:
+        return x
+    scales = scale_ref[page, pl.ds(0, block_size), h, pl.ds(0, 1)]  # [block_size, 1]
+    return x.astype(jnp.float32) * scales.astype(jnp.float32)
+
+
+def paged_decode_attention_gpu(q, k_pool, v_pool, block_table, lengths, k_scale=None,
+                               v_scale=None, *, window, interpret,
                                block_sizes: BlockSizes = BlockSizes()):
-    """q [B, Hq, D] -> [B, Hq, D]; Triton kernel (or its interpretation on CPU)."""
+    """q [B, Hq, D] -> [B, Hq, D]; Triton kernel (or its interpretation on CPU).
+    k_scale/v_scale: int8 pages' scales (module docstring), or None."""
     b, hq, d = q.shape
     _, s, hkv, _ = k_pool.shape
     g, m = hq // hkv, block_table.shape[1]
@@ -249,10 +295,12 @@ def paged_decode_attention_gpu(q, k_pool, v_pool, block_table, lengths, *, windo
     table = _padded_table(block_table, m_pad)
     rows = max(16, pl.next_power_of_2(g))
     qs = q.astype(jnp.float32).reshape(b, hkv, g, d) * d ** -0.5
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, rows - g), (0, 0))).astype(
-        jnp.float32 if k_pool.dtype == jnp.float32 else k_pool.dtype)
+    compute = _compute_dtype(k_pool)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, rows - g), (0, 0))).astype(compute)
+    scaled = k_scale is not None
     kernel = functools.partial(_gpu_kernel, block_size=s, per_split=per_split, window=window,
-                               precision=_precision(k_pool.dtype))
+                               precision=_precision(compute), scaled=scaled)
+    scale_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2 if scaled else []
     out_spec = lambda w: pl.BlockSpec((None, None, None, rows, w),  # noqa: E731
                                       lambda bi, h, sp: (bi, h, sp, 0, 0))
     stats = jax.ShapeDtypeStruct((b, hkv, n_splits, rows, 1), jnp.float32)
@@ -261,14 +309,16 @@ def paged_decode_attention_gpu(q, k_pool, v_pool, block_table, lengths, *, windo
         in_specs=[pl.BlockSpec((None, m_pad), lambda bi, h, sp: (bi, 0)),
                   pl.BlockSpec((None, 1), lambda bi, h, sp: (bi, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, sp: (bi, h, 0, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+                  pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
+                  *scale_specs],
         out_specs=[out_spec(d), out_spec(1), out_spec(1)],
         out_shape=[jax.ShapeDtypeStruct((b, hkv, n_splits, rows, d), jnp.float32), stats,
                    stats],
         compiler_params=pltriton.CompilerParams(num_warps=block_sizes.num_warps,
                                                 num_stages=block_sizes.num_stages),
         interpret=interpret, name="paged_decode_attention_gpu",
-    )(table, lengths.astype(jnp.int32)[:, None], qs, k_pool, v_pool)
+    )(table, lengths.astype(jnp.int32)[:, None], qs, k_pool, v_pool,
+      *([k_scale, v_scale] if scaled else []))
     # [B, Hkv, N, rows, .] -> splits second, rows = (KV head, query head of its group)
     o, m_, l_ = (x[:, :, :, :g].transpose(0, 2, 1, 3, 4).reshape(b, n_splits, hq, -1)
                  for x in (o, m_, l_))

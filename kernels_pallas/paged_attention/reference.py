@@ -17,8 +17,15 @@ def paged_decode_attention_reference(q: Float[Array, "B Hq D"],
                                      k_pool: Float[Array, "N S Hkv D"],
                                      v_pool: Float[Array, "N S Hkv D"],
                                      block_table: Int[Array, "B M"], lengths: Int[Array, "B"],
-                                     window: int | None = None) -> Float[Array, "B Hq D"]:
-    """One query per row at position lengths[b] - 1 over the row's first lengths[b] tokens."""
+                                     window: int | None = None,
+                                     k_scale: Float[Array, "N S Hkv 1"] | None = None,
+                                     v_scale: Float[Array, "N S Hkv 1"] | None = None,
+                                     ) -> Float[Array, "B Hq D"]:
+    """One query per row at position lengths[b] - 1 over the row's first lengths[b] tokens.
+    k_scale/v_scale: the pools hold int8 codes, token = code * scale (dequantized in f32)."""
+    if k_scale is not None:
+        k_pool = k_pool.astype(jnp.float32) * k_scale.astype(jnp.float32)
+        v_pool = v_pool.astype(jnp.float32) * v_scale.astype(jnp.float32)
     q_pos = (lengths - 1)[:, None]
     out = paged_attention_reference(q[:, None], k_pool, v_pool, block_table, q_pos, lengths,
                                     window)

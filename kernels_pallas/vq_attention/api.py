@@ -1,6 +1,8 @@
 """Public entry points: decode attention over VQ codes, dense [B, S, Hkv, G] or paged.
 
     out = vq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, lengths)
+    out = vq_decode_attention_paged_codes(q, k_pages, v_pages, k_codebook, v_codebook,
+                                          block_table, lengths)   # pages, no row gather
 
 implementation "auto" (default): the XLA reference on CPU, the Mosaic one-hot kernel on
 TPU, the Triton gather kernel on CUDA, chosen when the program is lowered
@@ -15,6 +17,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas import dispatch
+from kernels_pallas.paged_attention.kernel import BlockSizes as PagedBlockSizes
+from kernels_pallas.vq_attention import paged
 from kernels_pallas.vq_attention.kernel import (BACKENDS, BlockSizes, gpu_supports,
                                                 vq_decode_attention_pallas)
 from kernels_pallas.vq_attention.reference import (vq_decode_attention_paged,
@@ -142,18 +146,53 @@ def vq_decode_attention_paged_codes(q: Float[Array, "B Hq D"],
                                     v_codebook: Float[Array, "Hc G K g"],
                                     block_table: Int[Array, "B M"], lengths: Int[Array, "B"],
                                     *, sm_scale: float | None = None,
-                                    key_rope: KeyRope | None = None) -> Float[Array, "B Hq D"]:
+                                    key_rope: KeyRope | None = None,
+                                    implementation: str = "auto", interpret: bool = False,
+                                    backend: str | None = None,
+                                    block_sizes: PagedBlockSizes = PagedBlockSizes(),
+                                    precision: str = "highest") -> Float[Array, "B Hq D"]:
     """Decode attention over codes held in pages of P tokens, read through `block_table`
-    [B, M] (-1 = unmapped, masked): the XLA reference (reference.vq_decode_attention_paged);
-    row b's slot m * P + j is page block_table[b, m]'s token j."""
+    [B, M] (-1 = unmapped, masked); row b's slot m * P + j is page block_table[b, m]'s
+    token j, at position m * P + j.
+
+    implementation: "auto" (the XLA reference `reference.vq_decode_attention_paged` on
+      CPU, the paged Pallas kernels on TPU and CUDA: paged.py), "xla" or "pallas"; the
+      kernels read each live page where the table points, with no gather of rows.
+    block_sizes: pages per step / per split (paged_attention.BlockSizes).
+    precision: the kernels' dots, "highest" (f32) or "default" (TF32 on GPU).
+    """
     if block_table.ndim != 2 or block_table.shape[0] != q.shape[0] or not jnp.issubdtype(
             block_table.dtype, jnp.integer):
         raise ValueError(f"block_table must be integer [B={q.shape[0]}, M], got "
                          f"{block_table.shape=} {block_table.dtype=}")
+    _check_choice(implementation, backend)
     _validate_query(q, k_pages, v_pages, k_codebook, v_codebook, lengths, key_rope,
                     q.shape[0])
-    return _paged_reference(q, k_pages, v_pages, k_codebook, v_codebook, block_table,
-                            lengths, sm_scale=sm_scale, key_rope=key_rope).astype(q.dtype)
+    return _vq_paged(q, k_pages, v_pages, k_codebook, v_codebook, block_table, lengths,
+                     key_rope, implementation=implementation, interpret=interpret,
+                     backend=backend, block_sizes=block_sizes, sm_scale=sm_scale,
+                     precision=precision)
 
 
-_paged_reference = jax.jit(vq_decode_attention_paged, static_argnames=("sm_scale", "block"))
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "backend",
+                                             "block_sizes", "sm_scale", "precision"))
+def _vq_paged(q, k_pages, v_pages, k_codebook, v_codebook, block_table, lengths, key_rope, *,
+              implementation, interpret, backend, block_sizes, sm_scale, precision):
+    def xla(*a):
+        return vq_decode_attention_paged(*a[:7], sm_scale=sm_scale,
+                                         key_rope=a[7]).astype(q.dtype)
+
+    def kernel(kind):
+        return lambda *a: paged.vq_paged_decode_attention_pallas(
+            *a, block_sizes=block_sizes, interpret=interpret, backend=kind,
+            sm_scale=sm_scale, precision=precision)
+
+    args = (q, k_pages, v_pages, k_codebook, v_codebook, block_table, lengths, key_rope)
+    if backend is not None:
+        return kernel(backend)(*args)
+    cuda = kernel("triton")
+    if implementation == "auto" and not (interpret or paged.gpu_supports(
+            k_pages.shape[1], k_pages.shape[3], v_codebook.shape[3], q.shape[2])):
+        cuda = xla  # shapes the compiled Triton kernel cannot tile: XLA on CUDA too
+    return dispatch.dispatch(*args, implementation=implementation, xla=xla,
+                             tpu=kernel("mosaic_tpu"), cuda=cuda)

@@ -192,14 +192,21 @@ def _vq_decode_kernel(len_ref, *refs, key_scores, n_key_refs: int, block_kv: int
 
 def _dequantize_block(codes_ref, table_ref, start, block_kv: int, width: int, n_groups: int,
                       n_codes: int, gs: int):
-    """[block_kv, width] f32: row t holds token start + t's centroids, groups end to end.
-
-    The codes arrive as one [block_kv, G] tile (the token-major records of this KV head)
-    and are spread over channels in registers (on an H200, spreading a code tile was
-    1.2-1.6x faster than gathering a code per (token, channel)); the centroids are a
-    pointer gather from the flat table [G * K * gs]. Padded channels c >= G * gs read group
-    G - 1's table with code 0; the zero-padded query ignores them."""
+    """[block_kv, width] f32: row t holds token start + t's centroids, groups end to end
+    (`dequantize_codes` of the [block_kv, G] code tile at `start`)."""
     codes = codes_ref[pl.ds(start, block_kv), :].astype(jnp.int32)  # [T, G]
+    return dequantize_codes(codes, table_ref, width, n_groups, n_codes, gs)
+
+
+def dequantize_codes(codes, table_ref, width: int, n_groups: int, n_codes: int, gs: int):
+    """codes [T, G] int32 -> [T, width] f32 centroids, groups end to end (Triton body).
+
+    The codes arrive as one [T, G] tile (the token-major records of this KV head) and are
+    spread over channels in registers (on an H200, spreading a code tile was 1.2-1.6x
+    faster than gathering a code per (token, channel)); the centroids are a pointer gather
+    from the flat table [G * K * gs]. Padded channels c >= G * gs read group G - 1's table
+    with code 0; the zero-padded query ignores them."""
+    block_kv = codes.shape[0]
     codes = jnp.broadcast_to(codes[:, :, None], (block_kv, n_groups, gs))
     code = codes.reshape(block_kv, n_groups * gs)
     if width > n_groups * gs:  # head_dim < 16: interpret mode only (Triton has no pad)
@@ -207,6 +214,29 @@ def _dequantize_block(codes_ref, table_ref, start, block_kv: int, width: int, n_
     chan = jax.lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
     group = jnp.minimum(chan // gs, n_groups - 1)
     return table_ref[(group * n_codes + code) * gs + chan % gs]
+
+
+def gather_scores(query_refs, keys, pos, rope: bool, precision):
+    """Triton body: scores [R, T] of a block of dequantized keys [T, Dp] at positions
+    pos [T, 1]: q . k (post-RoPE codes), or A . (k cos) + B . (k sin) (pre-RoPE codes,
+    query_refs = A, B [R, Dp], omega [1, Dp])."""
+    if not rope:
+        return jax.lax.dot_general(query_refs[0][...], keys, _NT, precision=precision)
+    a_ref, b_ref, omega_ref = query_refs
+    ang = pos.astype(jnp.float32) * omega_ref[...]
+    return (jax.lax.dot_general(a_ref[...], keys * jnp.cos(ang), _NT, precision=precision)
+            + jax.lax.dot_general(b_ref[...], keys * jnp.sin(ang), _NT, precision=precision))
+
+
+def online_softmax_step(s, vals, carry, precision):
+    """One block of masked scores s [R, T] (masked = _MASKED) and values [T, Dp] folded
+    into (m, l, acc)."""
+    m_prev, l_prev, acc = carry
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    corr = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next)  # masked entries underflow to exactly 0
+    l_next = corr * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    return m_next, l_next, corr * acc + jnp.dot(p, vals, precision=precision)
 
 
 def _vq_gather_kernel(len_ref, *refs, rope: bool, block_kv: int, blocks_per_split: int,
@@ -223,32 +253,14 @@ def _vq_gather_kernel(len_ref, *refs, rope: bool, block_kv: int, blocks_per_spli
     n_blocks = jnp.clip(pl.cdiv(length - split_start, block_kv), 0, blocks_per_split)
     dequant = functools.partial(_dequantize_block, block_kv=block_kv, width=width,
                                 n_groups=n_groups, n_codes=n_codes, gs=gs)
-    contract_last = (((1,), (1,)), ((), ()))
-
-    def scores(keys, start):
-        if not rope:
-            return jax.lax.dot_general(query_refs[0][...], keys, contract_last,
-                                       precision=precision)
-        a_ref, b_ref, omega_ref = query_refs
-        pos = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
-        ang = pos.astype(jnp.float32) * omega_ref[...]
-        return (jax.lax.dot_general(a_ref[...], keys * jnp.cos(ang), contract_last,
-                                    precision=precision)
-                + jax.lax.dot_general(b_ref[...], keys * jnp.sin(ang), contract_last,
-                                      precision=precision))
 
     def body(i, carry):
-        m_prev, l_prev, acc = carry
         start = pl.multiple_of(i * block_kv, block_kv)
-        s = scores(dequant(kc_ref, ktab_ref, start), start)
+        pos = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        s = gather_scores(query_refs, dequant(kc_ref, ktab_ref, start), pos, rope, precision)
         pos = split_start + start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         s = jnp.where(pos < length, s, _MASKED)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        corr = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next)
-        l_next = corr * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        vals = dequant(vc_ref, vtab_ref, start)
-        return m_next, l_next, corr * acc + jnp.dot(p, vals, precision=precision)
+        return online_softmax_step(s, dequant(vc_ref, vtab_ref, start), carry, precision)
 
     init = (jnp.full((rows, 1), _MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, width), jnp.float32))

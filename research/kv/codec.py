@@ -13,6 +13,13 @@ axis; it never looks inside them.
 Codecs that score keys without rebuilding them (VQ lookup tables, sign sketches) override
 `attend`; the default rebuilds dense K/V with `decode` and runs the reference attention.
 
+Codecs with a paged decode kernel override `page_reader`: the paged layout then hands
+decode steps (one query token per row) the pages and the block table themselves, so the
+kernel reads each live page where the table points instead of the layout gathering every
+row's pages first (float: kernels_pallas.paged_attention; int8: the same kernel with
+scales; VQ codes: kernels_pallas.vq_attention.paged). This is the one place the layout
+and a kernel meet; a codec without a reader is always read through `attend`.
+
 Codecs whose records depend on a group of tokens (KIVI: per-channel key scales over
 `align` consecutive positions) override `write` instead of `encode`: it may re-emit the
 records of earlier positions of the chunk's first group (`Written.positions`), and keep a
@@ -23,13 +30,14 @@ window rings are multiples of `align`, paged blocks too (block_size % align == 0
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from kernels_pallas.paged_attention.api import paged_decode_attention
 from research.core.attention import attend, attention_mask
 
 Records = dict  # {name: Array [..., *record]} with the token axes leading
@@ -59,6 +67,19 @@ class KVView(NamedTuple):
 
     def mask(self) -> Bool[Array, "B T S"]:
         return attention_mask(self.q_pos, self.kv_pos, self.kv_valid, self.window)
+
+
+class PageRead(NamedTuple):
+    """The paged layout's kernel choice, passed to `KVCodec.page_reader`."""
+
+    implementation: str  # "auto" | "pallas" (the layout never asks for a reader with "xla")
+    backend: str | None  # with "pallas": None (the platform's) | "mosaic_tpu" | "triton"
+    interpret: bool
+
+
+# reader(q [B, Hq, D], pages {record: [N, block_size, *record]} in the codec's dtypes,
+#        block_table [B, M], lengths [B]) -> [B, Hq, D]
+PageReader = Callable[[Array, Records, Array, Array], Array]
 
 
 class Written(NamedTuple):
@@ -113,6 +134,12 @@ class KVCodec(abc.ABC):
         k, v = self.decode(view.records, view.kv_pos)
         return attend(q, k, v, view.q_pos, view.kv_pos, view.kv_valid, view.window)
 
+    def page_reader(self, window: int | None, read: PageRead) -> PageReader | None:
+        """A decode-step reader straight from pages through the block table (module
+        docstring), or None (default): the layout gathers the live pages and calls
+        `attend`. Called at trace time; `window` is the layer's attention window."""
+        return None
+
     def empty(self, lead: tuple[int, ...], n_kv_heads: int, head_dim: int) -> Records:
         """Zero-filled storage with leading axes `lead` (e.g. (B, S) or (N, block_size))."""
         return {name: jnp.zeros(lead + spec.shape, spec.dtype)
@@ -145,6 +172,12 @@ class FloatCodec(KVCodec):
 
     def decode(self, records, positions):
         return records["k"], records["v"]
+
+    def page_reader(self, window, read):
+        def reader(q, pages, table, lengths):
+            return paged_decode_attention(q, pages["k"], pages["v"], table, lengths,
+                                          window=window, **read._asdict())
+        return reader
 
     def describe(self):
         return jnp.dtype(self.dtype).name

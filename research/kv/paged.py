@@ -38,10 +38,10 @@ from flax import struct
 from jaxtyping import Array, Int
 
 from kernels_pallas.dispatch import IMPLEMENTATIONS
-from kernels_pallas.paged_attention.api import BACKENDS, paged_decode_attention
+from kernels_pallas.paged_attention.api import BACKENDS
 from research.transforms import Transform, stateless
 from research.kv.base import KVCache, check_codec, poison_rows
-from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView
+from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView, PageRead
 from research.kv.dense import DenseKVCache, either_bad
 from research.kv.window import WindowKVCache
 
@@ -52,10 +52,12 @@ TABLE = "block_table"
 class PagedKVCache(KVCache):
     """Block-table layout over any codec. `n_blocks=0` sizes the pool for `batch` rows.
 
-    implementation: single-token decode steps of the float codec go through
-      `kernels_pallas.paged_attention` with this choice: "auto" (default: XLA on CPU, the
-      Pallas kernel on TPU and GPU, chosen at lowering), "xla" or "pallas". Other codecs
-      and prefill chunks gather each row's pages and let the codec attend.
+    implementation: single-token decode steps of a codec with a page reader (float, int8,
+      TaSQ/CQ codes: `KVCodec.page_reader`) go through its paged Pallas kernel with this
+      choice: "auto" (default: XLA on CPU, the kernel on TPU and GPU, chosen at lowering),
+      "xla" or "pallas"; the kernel reads live pages through the block table, no row is
+      gathered. Other codecs (KIVI), windows of VQ codecs and prefill chunks gather each
+      row's live pages and let the codec attend.
     backend: with "pallas" only, force the kernel: None (the platform's), "mosaic_tpu"
       or "triton".
     interpret: run the Pallas kernel in interpret mode (CPU); explicit, never guessed.
@@ -115,15 +117,15 @@ class PagedKVCache(KVCache):
             view = gather_view(pools, table, q_pos, lengths, window, dtypes)
             return self.codec.attend(q, view._replace(extra=w.extra))
 
-        if self.implementation != "xla" and t == 1 and isinstance(self.codec, FloatCodec):
+        reader = (self.codec.page_reader(window, PageRead(self.implementation, self.backend,
+                                                          self.interpret))
+                  if self.implementation != "xla" and t == 1 else None)
+        if reader is not None:
             def kernel(q, pools, table, lengths):
-                return paged_decode_attention(
-                    q[:, 0], as_logical(pools["k"], dtypes["k"]),
-                    as_logical(pools["v"], dtypes["v"]), table, lengths, window=window,
-                    implementation=self.implementation, backend=self.backend,
-                    interpret=self.interpret)[:, None].astype(q.dtype)
-            # on CPU "auto" reads gathered pages (the kernel's own XLA path would view the
-            # whole 16-bit pool as floats first: a copy there, see `as_stored`)
+                pages = {name: as_logical(pool, dtypes[name]) for name, pool in pools.items()}
+                return reader(q[:, 0], pages, table, lengths)[:, None].astype(q.dtype)
+            # on CPU "auto" reads gathered pages (a kernel's XLA path would view the whole
+            # 16-bit pool as floats first: a copy there, see `as_stored`)
             out = (kernel(q, pools, table, lengths) if self.implementation == "pallas" else
                    jax.lax.platform_dependent(q, pools, table, lengths,
                                               cpu=lambda *a: gathered(*a).astype(q.dtype),

@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, UInt8
 import jax
 from flax import struct
 
+from kernels_pallas.paged_attention.api import paged_decode_attention
 from research.kv.codec import KVCodec
 
 SCALE_DTYPE = jnp.float16
@@ -90,6 +91,14 @@ class Int8Codec(KVCodec):
     def decode(self, records, positions):
         return tuple(records[x].astype(jnp.float32) * records[f"{x}_scale"].astype(jnp.float32)
                      for x in ("k", "v"))
+
+    def page_reader(self, window, read):
+        """Decode steps on int8 pages: the paged kernel dequantizes a page tile at a time."""
+        def reader(q, pages, table, lengths):
+            return paged_decode_attention(q, pages["k"], pages["v"], table, lengths,
+                                          window=window, k_scale=pages["k_scale"],
+                                          v_scale=pages["v_scale"], **read._asdict())
+        return reader
 
     def describe(self):
         return "int8[per-token]"

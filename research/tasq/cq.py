@@ -34,7 +34,8 @@ from research.core.attention import attend
 from research.core.rope import apply_rope
 from research.kv.codec import KVCodec
 from kernels_pallas.dispatch import IMPLEMENTATIONS
-from research.tasq.vq import check_kv_finite, encode, inverse_permutation, permute_channels
+from research.tasq.vq import (check_kv_finite, encode, inverse_permutation, paged_codes_reader,
+                              permute_channels)
 
 
 @struct.dataclass
@@ -100,6 +101,17 @@ class CQCodec(KVCodec):
                                          self.value_codebook, view.mask(), block=self.block,
                                          key_rope=key_rope)
         return self._unpermute(out, self.value_perm).astype(q.dtype)
+
+    def page_reader(self, window, read):
+        """Decode steps on code pages: the paged VQ kernel with the keys' RoPE tables
+        (kernels_pallas.vq_attention.paged); none for windows or "xla"."""
+        if self.implementation == "xla" or window is not None:
+            return None
+        return paged_codes_reader(self, window, read, key_rope=self.key_rope(
+            self.key_codebook.shape[1] * self.key_codebook.shape[3]))
+
+    def key_perm_or_identity(self, head_dim: int) -> Array:
+        return self._key_order(head_dim)
 
     def decode(self, records, positions):
         """Dense post-RoPE K and V (the ring layout's reader; positional layouts never

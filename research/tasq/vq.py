@@ -23,7 +23,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt8
 
 from kernels_pallas.dispatch import IMPLEMENTATIONS
-from kernels_pallas.vq_attention.api import validate_codes_and_codebooks, vq_decode_attention
+from kernels_pallas.vq_attention.api import (validate_codes_and_codebooks, vq_decode_attention,
+                                             vq_decode_attention_paged_codes)
 from kernels_pallas.vq_attention.reference import vq_attention_blockwise, vq_attention_reference
 from research.kv.codec import KVCodec
 from flax import struct
@@ -78,6 +79,27 @@ def permute_channels(x: Float[Array, "B T H D"], perm: Int[Array, "Hp D"]) -> Ar
 
 def inverse_permutation(perm: Int[Array, "H D"]) -> Int[Array, "H D"]:
     return jnp.argsort(perm, axis=-1).astype(jnp.int32)
+
+
+def paged_codes_reader(codec, window, read, key_rope=None):
+    """A VQ-style codec's page reader (VQCodec, CQCodec): queries in the codec's key
+    channel order, the paged kernel over "k_codes"/"v_codes" pages, values back in model
+    order. None where the codec's own choice is "xla" or the layer has a window."""
+    if window is not None or codec.implementation == "xla":
+        return None
+    implementation = "pallas" if "pallas" in (read.implementation,
+                                              codec.implementation) else "auto"
+
+    def reader(q, pages, table, lengths):
+        qp = permute_channels(q[:, None], codec.key_perm_or_identity(q.shape[-1]))[:, 0]
+        out = vq_decode_attention_paged_codes(
+            qp, pages["k_codes"], pages["v_codes"], codec.key_codebook, codec.value_codebook,
+            table, lengths, key_rope=key_rope, implementation=implementation,
+            backend=read.backend, interpret=read.interpret or codec.interpret)
+        if codec.value_perm is None:
+            return out
+        return permute_channels(out[:, None], inverse_permutation(codec.value_perm))[:, 0]
+    return reader
 
 
 def _raise_if_nonfinite(bad, name: str, where: str) -> None:
@@ -157,6 +179,9 @@ class VQCodec(KVCodec):
             perms.append(jnp.asarray(p, jnp.int32))
         return cls(key_codebook, value_codebook, perms[0], perms[1], **static)
 
+    def key_perm_or_identity(self, head_dim: int) -> Array:
+        return self.key_perm
+
     @property
     def n_groups(self) -> int:
         return self.key_codebook.shape[1]
@@ -202,6 +227,11 @@ class VQCodec(KVCodec):
             out = attn(qp, k_codes, v_codes, self.key_codebook, self.value_codebook,
                        view.mask())
         return permute_channels(out, inverse_permutation(self.value_perm)).astype(q.dtype)
+
+    def page_reader(self, window, read):
+        """Decode steps on code pages: the paged VQ kernel reads each live page through the
+        block table (kernels_pallas.vq_attention.paged); none for windows or "xla"."""
+        return paged_codes_reader(self, window, read)
 
     def use_lookup_tables(self, t: int, q_per_kv: int, context: int) -> bool:
         """Lookup tables (T * q_per_kv rows of K entries per group) when they are smaller

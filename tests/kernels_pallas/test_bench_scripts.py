@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_runs_both_attention_benches(tmp_path):
     assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["sections"]) == set(gpu_check.DRY_SECTIONS)
-    for name in gpu_check.DRY_SECTIONS:
+    for name in ("bench_vq", "bench_paged"):
         rows = report["sections"][name]["rows"]
         assert {r["shape"] for r in rows} == set(vq_bench.SHAPES)
         for r in rows:
@@ -33,6 +33,25 @@ def test_gpu_check_dry_run_runs_both_attention_benches(tmp_path):
     assert vq["bytes"]["bf16"] == 2 * (2 * 40 * hkv * d) * 2 + q_bytes  # K and V, bf16
     # codes (1 byte per token, head, group) + f32 codebooks + q + int32 lengths
     assert vq["bytes"]["kernel"] == 2 * (2 * 40 * hkv * g) + 2 * hkv * d * k * 4 + q_bytes + 8
+
+
+def test_gpu_check_dry_run_times_the_compressed_page_kernels(tmp_path):
+    """bench_paged_codecs on CPU: the paged int8 / TaSQ kernels in interpret mode agree with
+    their references and every path is timed; bytes are the attended tokens' codes."""
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry-run", "--sections", "bench_paged_codecs",
+                           "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["sections"]["bench_paged_codecs"]["rows"]
+    paths = ("bf16_paged", "int8_paged", "int8_gather", "tasq_paged", "tasq_gather",
+             "tasq_pre_paged", "tasq_pre_gather")
+    assert not [k for k in row if k.endswith("_error")], row
+    for name in paths:
+        assert row[f"{name}_ms"] > 0
+        assert row[f"{name}_rel_err"] < (1e-2 if name == "bf16_paged" else 1e-5), name
+    tokens = row["batch"] * row["context"]
+    assert row["bytes"]["tasq"] * 16 == row["bytes"]["bf16"] == tokens * 3 * 64 * 2 * 2
+    assert row["int8_gather_over_paged"] == pytest.approx(
+        row["int8_gather_ms"] / row["int8_paged_ms"])
 
 
 def test_paged_bench_main_and_bad_shape(tmp_path):

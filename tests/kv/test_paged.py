@@ -144,3 +144,52 @@ def test_paged_cache_with_pallas_decode_generates_like_xla(tiny):
         model = _paged(tiny, block_size=4, implementation=impl, interpret=True)
         outs.append(generate(model, prompts, max_new_tokens=6).tokens)
     assert outs[0] == outs[1]
+
+
+def _codec_caches(model, codec_name):
+    """Every layer's dense cache with an int8, TaSQ-style VQ (post-RoPE, permuted groups)
+    or CQ-style (pre-RoPE) codec; random codebooks over head_dim 8 (4 groups of 2)."""
+    from research.kv.quantized import Int8Codec
+    from research.tasq.cq import CQCodec
+    from research.tasq.vq import VQCodec
+    rng = np.random.default_rng(0)
+    hkv, d = model.config.n_kv_heads, model.config.head_dim
+    books = lambda: rng.normal(size=(hkv, d // 2, 16, 2)).astype(np.float32)  # noqa: E731
+    perm = lambda: np.stack([rng.permutation(d) for _ in range(hkv)])  # noqa: E731
+    codec = {"int8": lambda: Int8Codec(),
+             "vq": lambda: VQCodec.create(books(), books(), perm(), perm()),
+             "cq": lambda: CQCodec(jnp.asarray(books()), jnp.asarray(books()),
+                                   rope_theta=model.config.rope_theta,
+                                   key_perm=jnp.asarray(perm(), jnp.int32))}[codec_name]()
+    return model.replace(caches=(DenseKVCache(codec),) * model.config.n_layers)
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "vq", "cq"])
+def test_codec_pages_read_by_the_paged_kernel_generate_like_xla(tiny, codec_name):
+    """Decode steps on int8 / VQ code pages go through the codec's page reader (the paged
+    Pallas kernels, interpret mode, reading pages through the table): same tokens and
+    last-step logits as the gathered XLA read."""
+    prompts = [[5, 9, 11, 3, 7], [2, 4, 8]]
+    base = _codec_caches(tiny, codec_name)
+    runs = [generate(_paged(base, block_size=4, implementation=impl, interpret=True), prompts,
+                     max_new_tokens=6) for impl in ("xla", "pallas")]
+    assert runs[0].tokens == runs[1].tokens
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "vq", "cq"])
+def test_codec_decode_step_uses_the_page_reader(tiny, codec_name):
+    """With "pallas" the decode step's jaxpr holds the paged kernel and no gather of the
+    pools' pages into rows: a pool is only read by the kernel."""
+    model = _paged(_codec_caches(tiny, codec_name), block_size=4, implementation="pallas",
+                   interpret=True)
+    states = model.init_cache(2, 16)
+    fn = lambda s: forward(model, jnp.ones((2, 1), jnp.int32), cache_states=s,  # noqa: E731
+                           start=jnp.asarray([3, 5]), logits="last").logits
+    text = str(jax.make_jaxpr(fn)(states))
+    assert "pallas_call" in text
+    n_pool_rows = states[0]["block_table"].shape[1] * 4
+    pool_shapes = {tuple(x.shape[2:]) for name, x in states[0].items()
+                   if name != "block_table"}
+    for shape in pool_shapes:  # a gathered row view would be [B, M*block_size, *record]
+        row_view = ",".join(map(str, (2, n_pool_rows) + shape))
+        assert f"[{row_view}]" not in text, (codec_name, row_view)

@@ -71,6 +71,52 @@ def test_kernel_bf16_mqa_and_empty_row(backend):
     assert not np.any(np.asarray(got[0], np.float32))
 
 
+def _int8_pages(seed, **kw):
+    """Int8Codec's pages of _inputs' K/V: codes and float16 scales [N, S, Hkv, 1]."""
+    from research.kv.quantized import quantize_int8
+    q, k, v, table, lengths = _inputs(seed, **kw)
+    (k8, ks), (v8, vs) = quantize_int8(k), quantize_int8(v)
+    return (q, k8, v8, table, lengths), dict(k_scale=ks, v_scale=vs)
+
+
+def test_int8_reference_equals_float_reference_over_dequantized_pages():
+    (q, k8, v8, table, lengths), scales = _int8_pages(3)
+    k = k8.astype(jnp.float32) * scales["k_scale"].astype(jnp.float32)
+    v = v8.astype(jnp.float32) * scales["v_scale"].astype(jnp.float32)
+    np.testing.assert_allclose(
+        api.paged_decode_attention(q, k8, v8, table, lengths, implementation="xla",
+                                   **scales),
+        paged_decode_attention_reference(q, k, v, table, lengths), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "triton"])
+@pytest.mark.parametrize("window,blocks", [(None, BlockSizes(2, 3)), (11, BlockSizes(1, 2))],
+                         ids=str)
+def test_int8_kernel_matches_reference(backend, window, blocks):
+    """int8 pages + float16 scales, dequantized a page tile at a time in the kernel."""
+    args, scales = _int8_pages(seed=len(str((backend, window))))
+    want = api.paged_decode_attention(*args, window=window, implementation="xla", **scales)
+    got = api.paged_decode_attention(*args, window=window, implementation="pallas",
+                                     backend=backend, interpret=True, block_sizes=blocks,
+                                     **scales)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_int8_pages_bad_inputs():
+    (q, k8, v8, table, lengths), scales = _int8_pages(5)
+    with pytest.raises(ValueError, match="given together"):
+        api.paged_decode_attention(q, k8, v8, table, lengths, k_scale=scales["k_scale"])
+    with pytest.raises(TypeError, match="must be int8"):
+        api.paged_decode_attention(q, k8.astype(jnp.float32), v8.astype(jnp.float32), table,
+                                   lengths, **scales)
+    with pytest.raises(ValueError, match="k_scale must be float"):
+        api.paged_decode_attention(q, k8, v8, table, lengths,
+                                   k_scale=scales["k_scale"][..., 0],
+                                   v_scale=scales["v_scale"])
+    with pytest.raises(TypeError, match="one float dtype"):
+        api.paged_decode_attention(q, k8, v8, table, lengths)
+
+
 # SmolLM2 decode shapes (9 q heads, 3 kv heads, D=64, 16-token pages)
 SMOL = [((2, 9, 64), jnp.bfloat16), ((40, 16, 3, 64), jnp.bfloat16),
         ((40, 16, 3, 64), jnp.bfloat16), ((2, 20), jnp.int32), ((2,), jnp.int32)]
@@ -88,6 +134,21 @@ def _targets(platform, shapes=SMOL, **kw):
 def test_kernel_lowers(backend, platform, window):
     targets = _targets(platform, implementation="pallas", backend=backend, window=window,
                        block_sizes=BlockSizes(4, 8))
+    assert has_pallas_call(targets, platform), targets
+
+
+INT8_SMOL = [((2, 9, 64), jnp.float32), ((40, 16, 3, 64), jnp.int8),
+             ((40, 16, 3, 64), jnp.int8), ((2, 20), jnp.int32), ((2,), jnp.int32),
+             ((40, 16, 3, 1), jnp.float16), ((40, 16, 3, 1), jnp.float16)]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_int8_pages_lower_to_the_platform_kernel(platform):
+    def fn(q, k, v, table, lengths, ks, vs):
+        return api.paged_decode_attention(q, k, v, table, lengths, k_scale=ks, v_scale=vs)
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in INT8_SMOL]
+    targets = custom_call_targets(jax.jit(fn).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text())
     assert has_pallas_call(targets, platform), targets
 
 
