@@ -9,7 +9,10 @@ Layout (research.kv paged layout, token axes lead):
                                               head h is page[t, h] * scale[t, h] (Int8Codec)
 
 Scaled (int8) pages are dequantized one page tile at a time in VMEM/registers: only the
-codes and their scales cross HBM, never a float copy of the pool.
+codes and their scales cross HBM, never a float copy of the pool. Their dots run in bf16
+like bf16 pages' (codes are exact in bf16, the products of code and float16 scale round to
+bf16): on an H200 f32 dots made the int8 kernel 2.1-4.4x slower than the bf16 kernel
+(docs/gpu_h200_2026-12-04).
 
 Both kernels split each row's M pages into `n_splits` context splits (flash decoding):
 every (row, split) program writes an unnormalised partial output with its running max and
@@ -120,12 +123,12 @@ def merge_splits(o, m, l):
 # -- TPU ---------------------------------------------------------------------------------
 def _page_tile(refs, scale_refs, h: int):
     """Head h's tokens of the step's pages end to end [P*S, D]; int8 pages times their
-    scales (f32), float pages as stored."""
+    scales (in bf16, module docstring), float pages as stored."""
     x = jnp.concatenate([r[:, h, :] for r in refs], axis=0)
     if scale_refs is None:
         return x
     scales = jnp.concatenate([r[:, h, :] for r in scale_refs], axis=0)  # [P*S, 1]
-    return x.astype(jnp.float32) * scales.astype(jnp.float32)
+    return (x.astype(jnp.float32) * scales.astype(jnp.float32)).astype(INT8_COMPUTE)
 
 
 def _tpu_kernel(tbl_ref, len_ref, q_ref, *refs, pages: int, block_size: int, hkv: int,
@@ -225,9 +228,12 @@ def paged_decode_attention_tpu(q, k_pool, v_pool, block_table, lengths, k_scale=
     return merge_splits(o, m_, l_).astype(q.dtype)
 
 
+INT8_COMPUTE = jnp.bfloat16  # the dot dtype of int8 pages (module docstring)
+
+
 def _compute_dtype(pool):
-    """Scores and values are computed in the pool's float dtype; int8 pages in f32."""
-    return pool.dtype if jnp.issubdtype(pool.dtype, jnp.floating) else jnp.dtype(jnp.float32)
+    """Scores and values are computed in the pool's float dtype; int8 pages in bf16."""
+    return pool.dtype if jnp.issubdtype(pool.dtype, jnp.floating) else jnp.dtype(INT8_COMPUTE)
 
 
 # -- GPU (Triton) ------------------------------------------------------------------------
@@ -271,12 +277,12 @@ def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, *refs, block_size: int,
 
 
 def _gpu_tile(ref, scale_ref, page, h: int, block_size: int, d: int):
-    """Head h's [block_size, D] tile of one page; int8 pages times their scales (f32)."""
+    """Head h's [block_size, D] tile of one page; int8 pages times their scales (bf16)."""
     x = ref[page, pl.ds(0, block_size), h, pl.ds(0, d)]
     if scale_ref is None:
         return x
     scales = scale_ref[page, pl.ds(0, block_size), h, pl.ds(0, 1)]  # [block_size, 1]
-    return x.astype(jnp.float32) * scales.astype(jnp.float32)
+    return (x.astype(jnp.float32) * scales.astype(jnp.float32)).astype(INT8_COMPUTE)
 
 
 def paged_decode_attention_gpu(q, k_pool, v_pool, block_table, lengths, k_scale=None,

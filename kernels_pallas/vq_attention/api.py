@@ -149,7 +149,7 @@ def vq_decode_attention_paged_codes(q: Float[Array, "B Hq D"],
                                     key_rope: KeyRope | None = None,
                                     implementation: str = "auto", interpret: bool = False,
                                     backend: str | None = None,
-                                    block_sizes: PagedBlockSizes = PagedBlockSizes(),
+                                    block_sizes: PagedBlockSizes | None = None,
                                     precision: str = "highest") -> Float[Array, "B Hq D"]:
     """Decode attention over codes held in pages of P tokens, read through `block_table`
     [B, M] (-1 = unmapped, masked); row b's slot m * P + j is page block_table[b, m]'s
@@ -158,7 +158,8 @@ def vq_decode_attention_paged_codes(q: Float[Array, "B Hq D"],
     implementation: "auto" (the XLA reference `reference.vq_decode_attention_paged` on
       CPU, the paged Pallas kernels on TPU and CUDA: paged.py), "xla" or "pallas"; the
       kernels read each live page where the table points, with no gather of rows.
-    block_sizes: pages per step / per split (paged_attention.BlockSizes).
+    block_sizes: pages per step / per split, Triton warps (paged_attention.BlockSizes);
+      None: the backend's default (paged.default_block_sizes).
     precision: the kernels' dots, "highest" (f32) or "default" (TF32 on GPU).
     """
     if block_table.ndim != 2 or block_table.shape[0] != q.shape[0] or not jnp.issubdtype(

@@ -25,7 +25,10 @@ a page as the unit of work:
   accumulators kept in VMEM scratch across the steps of a split.
 
 Block shapes come from the float paged kernel (`kernels_pallas.paged_attention.BlockSizes`:
-pages per step and per split, Triton warps and stages).
+pages per step and per split, Triton warps and stages). Default Triton warps by key space
+(`default_block_sizes`), from the one H200 sweep at batch 32 x 32k tokens
+(docs/gpu_h200_2026-12-04.md): post-RoPE 1 warp 2.03 ms vs 4 warps 3.09 ms; pre-RoPE
+2 warps 5.35 ms vs 4 warps 5.53 ms (a [16, 64] page tile leaves most of 4 warps idle).
 """
 from __future__ import annotations
 
@@ -264,11 +267,18 @@ def _tpu_call(q, k_pages, v_pages, k_codebook, v_codebook, table, lengths, key_r
     return dense.merge_splits(o, m_, l_, rows, gs)
 
 
+def default_block_sizes(backend: str, pre_rope: bool) -> BlockSizes:
+    """Launch shape when none is given (module docstring)."""
+    if backend == "triton":
+        return BlockSizes(num_warps=2 if pre_rope else 1)
+    return BlockSizes()
+
+
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "backend",
                                              "sm_scale", "precision"))
 def vq_paged_decode_attention_pallas(q, k_pages, v_pages, k_codebook, v_codebook, block_table,
                                      lengths, key_rope: KeyRope | None = None, *,
-                                     block_sizes: BlockSizes = BlockSizes(),
+                                     block_sizes: BlockSizes | None = None,
                                      interpret: bool = False, backend: str = "triton",
                                      sm_scale: float | None = None,
                                      precision: str = "highest"):
@@ -285,6 +295,7 @@ def vq_paged_decode_attention_pallas(q, k_pages, v_pages, k_codebook, v_codebook
                          f"block_size={block_size}, G={n_groups}, group size {gs}, "
                          f"head_dim {d}")
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    block_sizes = block_sizes or default_block_sizes(backend, key_rope is not None)
     call = _gpu_call if backend == "triton" else _tpu_call
     out = call(q, k_pages, v_pages, k_codebook, v_codebook, block_table,
                lengths.astype(jnp.int32), key_rope, hkv=hkv, sm_scale=sm_scale,

@@ -93,13 +93,15 @@ def test_int8_reference_equals_float_reference_over_dequantized_pages():
 @pytest.mark.parametrize("window,blocks", [(None, BlockSizes(2, 3)), (11, BlockSizes(1, 2))],
                          ids=str)
 def test_int8_kernel_matches_reference(backend, window, blocks):
-    """int8 pages + float16 scales, dequantized a page tile at a time in the kernel."""
+    """int8 pages + float16 scales, dequantized a page tile at a time in the kernel (its
+    dots in bf16: bf16-level agreement with the f32 reference, not f32's)."""
     args, scales = _int8_pages(seed=len(str((backend, window))))
     want = api.paged_decode_attention(*args, window=window, implementation="xla", **scales)
     got = api.paged_decode_attention(*args, window=window, implementation="pallas",
                                      backend=backend, interpret=True, block_sizes=blocks,
                                      **scales)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+    assert got.dtype == args[0].dtype
 
 
 def test_int8_pages_bad_inputs():
