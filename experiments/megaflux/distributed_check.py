@@ -42,12 +42,12 @@ def _loss_fn(ffn):
 
 def run_check(args) -> dict:
     from jax.experimental import multihost_utils
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from research.megaflux import EPConfig, ep_moe_ffn
     from research.model import layers
 
-    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    mesh = jax.make_mesh((jax.device_count(),), ("ep",), axis_types=(AxisType.Auto,))
     x_np, p_np = _inputs(args.seed, args.n_tokens, 16, args.n_experts, 24)
 
     def global_array(a, spec):

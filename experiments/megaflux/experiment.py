@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
@@ -190,9 +190,15 @@ def ffn_inputs(model, tokens) -> jax.Array:
     return h.reshape(-1, h.shape[-1])
 
 
+def ep_mesh(n_devices: int):
+    """The 1-D expert-parallel mesh ("ep") over the first n_devices, by jax.make_mesh
+    (topology order on TPU); Auto axes, as the hand-built Mesh had."""
+    return jax.make_mesh((n_devices,), ("ep",), axis_types=(AxisType.Auto,))
+
+
 def layer_check(model, config) -> dict:
     """Replicated EP layer on 8 devices vs the dense reference on real hidden states."""
-    mesh = Mesh(np.array(jax.devices()[:config.ep.n_devices]), ("ep",))
+    mesh = ep_mesh(config.ep.n_devices)
     ids = encode(corpus.corpus_text(config.traces.split))
     tokens = jnp.asarray(batch_at(ids, 0, 8, config.train.seq_len - 1, config.seed + 2))
     x = ffn_inputs(model, tokens)
@@ -224,7 +230,7 @@ def model_check(model, config) -> dict:
     """The whole trained model through the `megaflux()` transform (every MoE layer expert-
     parallel on the mesh, replicas planned per step) vs the dense model: logits on real
     held-out windows."""
-    mesh = Mesh(np.array(jax.devices()[:config.ep.n_devices]), ("ep",))
+    mesh = ep_mesh(config.ep.n_devices)
     ids = encode(corpus.corpus_text(config.traces.split))
     tokens = jnp.asarray(batch_at(ids, 1, 8, config.train.seq_len - 1, config.seed + 3))
     ep_model, _ = calibrate_and_apply(

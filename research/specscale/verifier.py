@@ -28,6 +28,7 @@ import re
 from typing import Sequence
 
 import numpy as np
+from scipy import stats
 
 from research.specscale.engine import PagedEngine
 from research.specscale.tasks import parse_problem
@@ -114,9 +115,8 @@ def step_auroc(scores: Sequence[float], correct: Sequence[bool]) -> float:
     pos, neg = s[c], s[~c]
     if len(pos) == 0 or len(neg) == 0:
         return float("nan")
-    greater = (pos[:, None] > neg[None, :]).mean()
-    ties = (pos[:, None] == neg[None, :]).mean()
-    return float(greater + 0.5 * ties)
+    # Mann-Whitney U / (n_pos n_neg) is the AUROC (ties count half)
+    return float(stats.mannwhitneyu(pos, neg).statistic / (pos.size * neg.size))
 
 
 _LINE_RE = re.compile(r"\s*(-?\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)\s*")

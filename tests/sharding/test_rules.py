@@ -87,3 +87,38 @@ def test_cache_batch_that_does_not_divide_is_an_error():
     assert states[0]["k"].sharding.spec == P("data", None, None, None)
     assert states[0]["k"].addressable_shards[0].data.shape == (2, 16, 2, 8)
     assert jnp.dtype(states[0]["k"].dtype) == jnp.float32
+
+
+def test_make_mesh_is_jax_make_mesh_with_auto_axes(monkeypatch):
+    """jax.make_mesh (topology-aware order on TPU) with Auto axis types; on the simulated
+    CPU devices the order is jax.devices() order, as the hand-built mesh had it."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    calls = []
+    real = jax.make_mesh
+    monkeypatch.setattr(jax, "make_mesh", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    for shape in [(1, 1, 1), (2, 3, 1), (2, 2, 2), (1, 8, 1)]:
+        mesh = make_mesh(*shape)
+        assert mesh.axis_names == ("data", "tensor", "expert")
+        assert mesh.axis_types == (AxisType.Auto,) * 3
+        assert mesh == Mesh(np.array(jax.devices()[:np.prod(shape)]).reshape(shape),
+                            ("data", "tensor", "expert"))
+    assert len(calls) == 4 and calls[1][0][:2] == ((2, 3, 1), ("data", "tensor", "expert"))
+    assert [d.id for d in make_mesh(2, 2, devices=jax.devices()[4:]).devices.flat] == [4, 5, 6, 7]
+
+
+def test_make_mesh_keeps_device_order_where_make_mesh_cannot_lay_it_out(monkeypatch):
+    import numpy as np
+    from jax.sharding import AxisType
+
+    def refuse(*a, **kw):  # as mesh_utils does for a TPU subset that is no sub-torus
+        raise NotImplementedError("no sub-torus")
+
+    monkeypatch.setattr(jax, "make_mesh", refuse)
+    mesh = make_mesh(data=2, tensor=3)
+    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[:6]]
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh(data=16)
+    np.testing.assert_array_equal(mesh.devices.shape, (2, 3, 1))
