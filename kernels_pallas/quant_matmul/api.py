@@ -100,7 +100,9 @@ def int4_matmul(x: Float[Array, "M K"], packed: Array, scale: Float[Array, "KG N
                 backend: str | None = None, interpret: bool = False,
                 block_sizes: kernel.BlockSizes = kernel.BlockSizes()) -> Array:
     """[M, N] in x's dtype = x @ dequantize(packed, scale, zero) (reference.py layout);
-    zero None = symmetric codes (zero point 8)."""
+    zero: uint8 integer zero points, float ones (float16 as DynaCore's float-zero grid
+    stores them: fractional, any value; dequantized in f32 inside the kernel), or None
+    for symmetric codes (zero point 8)."""
     validate_int4(x, packed, scale, zero, group_size)
     _check_common(implementation, backend)
     return _int4(x, packed, scale, zero, group_size=group_size,

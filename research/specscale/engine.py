@@ -78,11 +78,14 @@ class PagedEngine:
       so is a codec with per-sequence state, KIVI, since rows are re-bound every pass).
     max_len: longest sequence (sets the block-table width).
     temperature: sampling temperature (0 = greedy); top-k/top-p are not used.
+    implementation: the paged attention's dispatch (`kernels_pallas.dispatch`): "auto"
+      (default) runs the plain-JAX reference on CPU and the Pallas kernel on TPU/GPU,
+      "xla" the reference everywhere, "pallas" the kernel (`interpret=True` off TPU/GPU).
     """
 
     def __init__(self, model: Model, *, n_blocks: int, block_size: int = 16,
                  max_len: int = 512, temperature: float = 1.0, share_prefix: bool = True,
-                 row_multiple: int = 8, implementation: str = "xla", interpret: bool = False):
+                 row_multiple: int = 8, implementation: str = "auto", interpret: bool = False):
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if row_multiple < 1:

@@ -149,3 +149,32 @@ def test_bad_input_is_rejected(char_model):
         eng.score([s, eng.new_sequence([3])])
     with pytest.raises(ValueError, match="unknown or freed"):
         eng.tokens(999)
+
+
+def test_default_implementation_is_auto(char_model):
+    """Like the serving engine's: XLA on CPU, the Pallas paged kernel on TPU and GPU."""
+    eng = _engine(char_model)
+    assert {c.implementation for c in eng.model.caches} == {"auto"}
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda", "cpu"])
+def test_default_decode_step_lowers_to_the_paged_kernel_on_tpu_and_gpu(platform):
+    """A one-token sample pass of a default engine reaches the Pallas paged-attention
+    kernel when lowered for TPU or CUDA, and none on the CPU. Lowering only."""
+    from kernels_pallas.dispatch import custom_call_targets, has_pallas_call
+    from research.model import init_params, make_model, tiny_config
+    from research.specscale.engine import _forward
+
+    config = tiny_config(dim=64, n_heads=4, n_kv_heads=2, head_dim=16)
+    model = make_model(config, init_params(config, jax.random.key(0)))
+    eng = PagedEngine(model, n_blocks=16, block_size=16, max_len=64)
+    r, m = eng.row_multiple, eng.manager.max_blocks_per_seq
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    lowered = _forward.trace(eng.model, eng.pools, i32(r, m), i32(r, 1), i32(r), i32(r),
+                             jax.ShapeDtypeStruct((r, 1, 2), jnp.uint32), mode="sample",
+                             temperature=1.0).lower(lowering_platforms=(platform,))
+    targets = custom_call_targets(lowered.as_text())
+    if platform == "cpu":
+        assert not has_pallas_call(targets, "tpu") and not has_pallas_call(targets, "cuda")
+    else:
+        assert has_pallas_call(targets, platform), targets

@@ -28,7 +28,11 @@ def _int4_inputs(seed, m, k, n, g, zero=True):
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     u = jnp.asarray(rng.integers(0, 16, (k, n)), jnp.uint8)
     s = jnp.asarray(rng.uniform(0.01, 0.1, (k // g, n)), jnp.float32)
-    z = jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8) if zero else None
+    if zero == "f16":  # the float-zero grid's (DynaCore's W4A16 default): fractional, and
+        # past the code range at either end (a group that does not straddle 0)
+        z = jnp.asarray(rng.uniform(-3.0, 19.0, (k // g, n)), jnp.float16)
+    else:
+        z = jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8) if zero else None
     return x, u, s, z
 
 
@@ -69,14 +73,32 @@ def test_int8_kernel_interpret_matches_reference(backend, seed):
 
 
 @pytest.mark.parametrize("backend", ["mosaic_tpu", "triton"])
-@pytest.mark.parametrize("g,zero", [(32, True), (64, True), (64, False), (128, True)])
+@pytest.mark.parametrize("g,zero", [(32, True), (64, True), (64, False), (128, True),
+                                    (32, "f16"), (64, "f16")])
 def test_int4_kernel_interpret_matches_reference(backend, g, zero):
     x, u, s, z = _int4_inputs(g, 5, 4 * g, 40, g, zero)
     p = pack_int4(u, g)
     got = int4_matmul(x, p, s, z, group_size=g, implementation="pallas", backend=backend,
                       interpret=True, block_sizes=SMALL)
-    np.testing.assert_allclose(got, int4_matmul_reference(x, p, s, z, g), rtol=1e-5,
-                               atol=1e-4)
+    want = int4_matmul_reference(x, p, s, z, g)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    if zero == "f16":  # the fractional part of the zeros is used, not rounded away
+        rounded = int4_matmul_reference(x, p, s, jnp.round(z), g)
+        assert float(jnp.abs(got - rounded).max()) > 100 * 1e-4
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "triton"])
+def test_int4_kernel_float16_zero_with_bf16_activations(backend):
+    """DynaCore's decode call under bf16: bf16 x and scale (linear casts the scale to x's
+    dtype), float16 zero points as stored."""
+    x, u, s, z = _int4_inputs(7, 9, 256, 48, 64, "f16")
+    x, s, p = x.astype(jnp.bfloat16), s.astype(jnp.bfloat16), pack_int4(u, 64)
+    got = int4_matmul(x, p, s, z, group_size=64, implementation="pallas", backend=backend,
+                      interpret=True, block_sizes=SMALL)
+    assert got.dtype == jnp.bfloat16
+    want = int4_matmul_reference(x.astype(jnp.float32), p, s.astype(jnp.float32), z, 64)
+    err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    assert err < 1e-2, err  # bf16 weights tile and output rounding only
 
 
 def _targets(fn, args, platform):
@@ -91,11 +113,11 @@ def test_kernels_lower_for_tpu_and_cuda_and_cpu_default_is_xla(platform):
     assert has_pallas_call(_targets(int8_matmul, i8, platform), platform)
     assert not has_pallas_call(_targets(int8_matmul, i8, "cpu"), "cuda")
     for g in (32, 128):
-        for zero in (True, False):
+        for zero in (jnp.uint8, jnp.float16, None):  # integer, float (DynaCore's), none
             i4 = (jax.ShapeDtypeStruct((8, 2048), jnp.float32),
                   jax.ShapeDtypeStruct((1024, 512), jnp.uint8),
                   jax.ShapeDtypeStruct((2048 // g, 512), jnp.float32),
-                  jax.ShapeDtypeStruct((2048 // g, 512), jnp.uint8) if zero else None)
+                  None if zero is None else jax.ShapeDtypeStruct((2048 // g, 512), zero))
             fn = lambda x, p, s, z, g=g: int4_matmul(x, p, s, z, group_size=g)  # noqa: E731
             assert has_pallas_call(_targets(fn, i4, platform), platform), (g, zero)
 
