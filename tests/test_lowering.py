@@ -84,6 +84,18 @@ def _paged_model():
     return paged_kv_cache(block_size=16).apply(model, None)
 
 
+def _dense_f32_model():
+    """The default model: dense f32 caches (what `generate` runs)."""
+    return make_model(DECODE_CONFIG, init_params(DECODE_CONFIG, jax.random.key(0)))
+
+
+def _dense_int8_model():
+    from research.kv.dense import DenseKVCache
+    from research.kv.quantized import Int8Codec
+    return _dense_f32_model().replace(
+        caches=(DenseKVCache(Int8Codec()),) * DECODE_CONFIG.n_layers)
+
+
 def _paged_int8_model():
     from research.kv.dense import DenseKVCache
     from research.kv.paged import paged_kv_cache
@@ -109,8 +121,9 @@ def _decode_targets(model, platform):
         lowering_platforms=(platform,)).as_text())
 
 
-ALL_DECODE_MODELS = [_vq_codec_model, _paged_model, _paged_int8_model, _paged_vq_model]
-DECODE_IDS = ["tasq", "paged", "paged-int8", "paged-tasq"]
+ALL_DECODE_MODELS = [_dense_f32_model, _dense_int8_model, _vq_codec_model, _paged_model,
+                     _paged_int8_model, _paged_vq_model]
+DECODE_IDS = ["dense-f32", "dense-int8", "tasq", "paged", "paged-int8", "paged-tasq"]
 
 
 @pytest.mark.parametrize("make", ALL_DECODE_MODELS, ids=DECODE_IDS)

@@ -82,6 +82,20 @@ class PageRead(NamedTuple):
 PageReader = Callable[[Array, Records, Array, Array], Array]
 
 
+def decode_through_reader(reader: PageReader, implementation: str, q, pages: Records, table,
+                          lengths, fallback: Callable) -> Array:
+    """A decode step's output [B, 1, Hq, D] read by a codec's page reader (its Pallas
+    kernel): "pallas" everywhere; "auto" on TPU and GPU, with `fallback(q, pages, table,
+    lengths)` (the layout's own XLA read) on CPU, chosen when the step is lowered."""
+    def kernel(q, pages, table, lengths):
+        return reader(q[:, 0], pages, table, lengths)[:, None].astype(q.dtype)
+    if implementation == "pallas":
+        return kernel(q, pages, table, lengths)
+    return jax.lax.platform_dependent(q, pages, table, lengths,
+                                      cpu=lambda *a: fallback(*a).astype(q.dtype),
+                                      default=kernel)
+
+
 class Written(NamedTuple):
     """What a codec's `write` hands the layout.
 

@@ -1,11 +1,20 @@
-"""Dense layout: one [B, max_len, ...] buffer per record of the layer's codec."""
+"""Dense layout: one [B, max_len, ...] buffer per record of the layer's codec.
+
+Decode steps read the buffers through the codec's paged decode kernel (`page_reader`) on
+TPU and GPU: a row's buffer is its pages laid end to end, so [B, S, ...] viewed as
+[B * S / P, P, ...] pages with the identity block table is the same memory (a reshape,
+no copy). One kernel per codec then serves both layouts.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import struct
 
+from kernels_pallas.dispatch import IMPLEMENTATIONS
 from research.kv.base import KVCache, check_codec, poison_rows, scatter_tokens
-from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView
+from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView, PageRead, decode_through_reader
+
+PAGE_VIEW_SIZES = (64, 32, 16)  # page size of the dense-as-pages view: the largest dividing S
 
 
 def records_of(state: dict) -> dict:
@@ -36,12 +45,21 @@ class DenseKVCache(KVCache):
     The chunk is encoded and written first, then read back like every older token, so
     prefill sees exactly what decode will see. Buffers hold max_len slots rounded up to a
     multiple of the codec's `align`; a codec's per-sequence state sits under "seq".
+
+    implementation: decode steps of a codec with a page reader (module docstring): "auto"
+      (XLA on CPU, the kernel on TPU and GPU, chosen at lowering), "xla" or "pallas".
+      Used when max_len is a multiple of 16; prefill chunks always attend in XLA.
     """
 
     codec: KVCodec = FloatCodec()
+    implementation: str = struct.field(pytree_node=False, default="auto")
+    interpret: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         check_codec(self.codec)
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
+                             f"got {self.implementation!r}")
 
     def init(self, batch, max_len, n_kv_heads, head_dim):
         slots = -(-max_len // self.codec.align) * self.codec.align
@@ -62,11 +80,34 @@ class DenseKVCache(KVCache):
         kv_pos = jnp.broadcast_to(jnp.arange(n_slots)[None, :], (b, n_slots))
         view = KVView(new, q_pos, kv_pos, kv_pos < lengths[:, None], window,
                       positional=True, lengths=lengths, extra=w.extra)
-        out = self.codec.attend(q, view)
+        out = self._decode_through_pages(q, view) if t == 1 else None
+        if out is None:
+            out = self.codec.attend(q, view)
         out = poison_rows(out, either_bad(self.codec.check_finite(k, v), w.bad_rows))
         if w.seq_state is not None:
             new[SEQ] = w.seq_state
         return out.astype(q.dtype), new
+
+    def _decode_through_pages(self, q, view: KVView):
+        """The codec's page reader over the buffers viewed as pages (module docstring), or
+        None: no reader, "xla", or no page size dividing the buffers."""
+        bufs, window = view.records, view.window
+        b, n_slots = next(iter(bufs.values())).shape[:2]
+        page = next((p for p in PAGE_VIEW_SIZES if n_slots % p == 0), None)
+        if self.implementation == "xla" or page is None:
+            return None
+        reader = self.codec.page_reader(window, PageRead(self.implementation, None,
+                                                         self.interpret))
+        if reader is None:
+            return None
+        pages = {name: x.reshape((b * n_slots // page, page) + x.shape[2:])
+                 for name, x in bufs.items()}
+        table = jnp.arange(b * n_slots // page, dtype=jnp.int32).reshape(b, n_slots // page)
+
+        def xla(q, pages, table, lengths):  # the layout's own read (CPU under "auto")
+            return self.codec.attend(q, view)
+        return decode_through_reader(reader, self.implementation, q, pages, table,
+                                     view.lengths, xla)
 
     def describe(self):
         return f"dense[{self.codec.describe()}]"

@@ -41,7 +41,8 @@ from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.paged_attention.api import BACKENDS
 from research.transforms import Transform, stateless
 from research.kv.base import KVCache, check_codec, poison_rows
-from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView, PageRead
+from research.kv.codec import (SEQ, FloatCodec, KVCodec, KVView, PageRead,
+                               decode_through_reader)
 from research.kv.dense import DenseKVCache, either_bad
 from research.kv.window import WindowKVCache
 
@@ -121,15 +122,13 @@ class PagedKVCache(KVCache):
                                                           self.interpret))
                   if self.implementation != "xla" and t == 1 else None)
         if reader is not None:
-            def kernel(q, pools, table, lengths):
+            def read_stored(q, pools, table, lengths):
                 pages = {name: as_logical(pool, dtypes[name]) for name, pool in pools.items()}
-                return reader(q[:, 0], pages, table, lengths)[:, None].astype(q.dtype)
+                return reader(q, pages, table, lengths)
             # on CPU "auto" reads gathered pages (a kernel's XLA path would view the whole
             # 16-bit pool as floats first: a copy there, see `as_stored`)
-            out = (kernel(q, pools, table, lengths) if self.implementation == "pallas" else
-                   jax.lax.platform_dependent(q, pools, table, lengths,
-                                              cpu=lambda *a: gathered(*a).astype(q.dtype),
-                                              default=kernel))
+            out = decode_through_reader(read_stored, self.implementation, q, pools, table,
+                                        lengths, gathered)
         else:
             out = gathered(q, pools, table, lengths)
         out = poison_rows(out, either_bad(self.codec.check_finite(k, v), w.bad_rows))
