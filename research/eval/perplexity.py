@@ -4,6 +4,10 @@ Each window is prefilled through `model.caches`, so a cache codec (quantised, ev
 ...) changes the attention the scored tokens see, exactly as in serving. Windows advance
 by `stride`; a window scores only the tokens no earlier window scored, each with up to
 `window - stride` tokens of context (the Hugging Face recipe).
+
+Windows longer than `chunk` tokens are prefilled and scored in pieces of `chunk`
+(each piece reads what the earlier ones wrote, as serving's chunked prefill does): one
+forward over a whole 8k window would hold scores of window x window per head and row.
 """
 from __future__ import annotations
 
@@ -58,30 +62,74 @@ def _window_nll(model: Model, tokens, lengths, score_from, cache_states):
     return jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1)
 
 
+@jax.jit
+def _piece_nll(model: Model, piece, targets, start, n_new, score_from, lengths, cache_states):
+    """One piece of a batch of windows: sum of NLL and count of the targets it predicts
+    (position p predicts targets[:, p - start]; scored at score_from <= p + 1 < lengths),
+    and the cache states after writing it."""
+    out = forward(model, piece, cache_states=cache_states, start=start, n_new=n_new)
+    logp = jax.nn.log_softmax(out.logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    t = start[:, None] + 1 + jnp.arange(piece.shape[1])[None, :]  # the target's position
+    scored = (t >= score_from[:, None]) & (t < lengths[:, None])
+    return (jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1),
+            out.cache_states)
+
+
+def _chunked_nll(model: Model, tokens, lengths, score_from, states, chunk: int):
+    """`_window_nll` in pieces of `chunk` tokens (module docstring)."""
+    b, t = tokens.shape
+    targets = np.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    total, count = 0.0, 0
+    for c0 in range(0, t, chunk):
+        width = min(chunk, t - c0)
+        piece = np.zeros((b, chunk), np.int32)
+        piece[:, :width] = tokens[:, c0:c0 + width]
+        tgt = np.zeros((b, chunk), np.int32)
+        tgt[:, :width] = targets[:, c0:c0 + width]
+        n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
+        nll, n, states = _piece_nll(model, jnp.asarray(piece), jnp.asarray(tgt),
+                                    jnp.full((b,), c0, jnp.int32), jnp.asarray(n_new),
+                                    jnp.asarray(score_from), jnp.asarray(lengths), states)
+        total += float(jnp.sum(nll))
+        count += int(jnp.sum(n))
+    return total, count
+
+
 def perplexity(model: Model, token_ids: Sequence[int], *, window: int = 512,
                stride: int | None = None, batch_size: int = 4,
-               max_windows: int | None = None, progress: bool = False) -> Perplexity:
-    """Perplexity of `token_ids` under `model`, in batches of windows."""
+               max_windows: int | None = None, progress: bool = False,
+               chunk: int = 512) -> Perplexity:
+    """Perplexity of `token_ids` under `model`, in batches of windows; windows longer than
+    `chunk` are prefilled and scored in pieces (module docstring)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     ids = np.asarray(token_ids, np.int32)
     stride = stride or window // 2
     wins = windows(len(ids), window, stride)[:max_windows]
     total_nll, total_n = 0.0, 0
     batches = range(0, len(wins), batch_size)
     for i in tqdm(batches, desc="perplexity", disable=not progress):
-        chunk = wins[i:i + batch_size]
+        batch = wins[i:i + batch_size]
         tokens = np.zeros((batch_size, window), np.int32)
         lengths = np.zeros((batch_size,), np.int32)
         score_from = np.full((batch_size,), window, np.int32)
-        for r, w in enumerate(chunk):
+        for r, w in enumerate(batch):
             tokens[r, :w.end - w.begin] = ids[w.begin:w.end]
             lengths[r] = w.end - w.begin
             score_from[r] = w.end - w.begin - w.n_scored
         lengths_for_model = np.maximum(lengths, 1)  # empty filler rows score nothing
         states = model.init_cache(batch_size, window)
-        nll, n = _window_nll(model, jnp.asarray(tokens), jnp.asarray(lengths_for_model),
-                             jnp.asarray(score_from), states)
-        total_nll += float(jnp.sum(nll))
-        total_n += int(jnp.sum(n))
+        if window <= chunk:
+            nll, n = _window_nll(model, jnp.asarray(tokens), jnp.asarray(lengths_for_model),
+                                 jnp.asarray(score_from), states)
+            total_nll += float(jnp.sum(nll))
+            total_n += int(jnp.sum(n))
+        else:
+            nll, n = _chunked_nll(model, tokens, lengths_for_model, score_from, states, chunk)
+            total_nll += nll
+            total_n += n
     if total_n == 0:
         raise ValueError("no tokens were scored")
     mean = total_nll / total_n
