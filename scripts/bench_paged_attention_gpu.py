@@ -10,11 +10,14 @@ process, after warm-up, medians of `--repeats` runs over bf16 K/V:
   kernel:    kernels_pallas.paged_attention, implementation="pallas" (the platform's
              kernel: Triton on CUDA) over token-major pages [N, page, Hkv, D] in a shuffled
              block table;
-  xla_paged: the plain-JAX reference (gathers the pages, then attends).
+  xla_paged: the plain-JAX reference (gathers the pages, then attends);
+  jax_paged: JAX's own Pallas GPU paged attention (jax.experimental.pallas.ops.gpu.
+             paged_attention) over the same pages in its head-major layout [Hkv, N, page,
+             D] (transposed once, outside the timing), query pre-scaled.
 Each kernel is checked against the reference first. Reported: times, bf16_ms / kernel_ms
 (> 1: faster than dense XLA attention) and each path's fraction of the H200 HBM roofline
 (K/V bytes of the attended tokens / 4.8 TB/s over its time). --dry-run: CPU, tiny sizes,
-"auto" (= XLA on CPU) in place of the kernel.
+"auto" (= XLA on CPU) in place of the kernel, JAX's kernel interpreted.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling VQ bench
 
 import bench_vq_attention_gpu as vq_bench  # noqa: E402
 from research.core.timing import time_fn  # noqa: E402
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged  # noqa: E402
+
 from kernels_pallas.paged_attention import paged_decode_attention  # noqa: E402
 
 SHAPES, BATCHES, CONTEXTS = vq_bench.SHAPES, vq_bench.BATCHES, vq_bench.CONTEXTS
@@ -62,18 +67,32 @@ def bench_case(shape: str, batch: int, context: int, *, warmup: int, repeats: in
                       args),
            "xla_paged": (jax.jit(lambda *a: paged_decode_attention(*a, implementation="xla")),
                          args)}
+    m = x["block_table"].shape[1]
+    per_block = min(8, m)
+    jax_kw = dict(pages_per_compute_block=per_block, k_splits=max(1, min(16, m // per_block)),
+                  interpret=dry_run)
+    head_major = lambda pool: jnp.transpose(pool, (2, 0, 1, 3))  # noqa: E731
+    scale = x["q"].shape[-1] ** -0.5
+    fns["jax_paged"] = (jax.jit(lambda q, k, v, t, n: jax_gpu_paged.paged_attention(
+        q * jnp.asarray(scale, q.dtype), k, v, t, n, **jax_kw)),
+                        (x["q"], head_major(x["k_pool"]), head_major(x["v_pool"]),
+                         x["block_table"], x["lengths"]))
     got = np.asarray(fns["kernel"][0](*args), np.float32)
     want = np.asarray(fns["xla_paged"][0](*args), np.float32)
     kv_bytes = vq_bench.nbytes(kd, vd, x["q"])  # the attended tokens, as read by any path
     row = {"shape": shape, "batch": batch, "context": context, "page": page,
            "max_abs_err": float(np.max(np.abs(got - want))),
-           "bytes": {"bf16": kv_bytes, "kernel": kv_bytes, "xla_paged": kv_bytes},
+           "bytes": {"bf16": kv_bytes, "kernel": kv_bytes, "xla_paged": kv_bytes,
+                     "jax_paged": kv_bytes},
            "pool_bytes": vq_bench.nbytes(x["k_pool"], x["v_pool"])}
     for name, (fn, a) in fns.items():
         ms = time_fn(lambda fn=fn, a=a: fn(*a), warmup=warmup, repeats=repeats)["median_s"] * 1e3
         row[f"{name}_ms"] = ms
         row[f"{name}_hbm_roofline_frac"] = vq_bench.roofline_fraction(row["bytes"][name], ms)
+    row["jax_paged_max_abs_err"] = float(np.max(np.abs(
+        np.asarray(fns["jax_paged"][0](*fns["jax_paged"][1]), np.float32) - want)))
     row["bf16_over_kernel"] = row["bf16_ms"] / row["kernel_ms"]
+    row["jax_paged_over_kernel"] = row["jax_paged_ms"] / row["kernel_ms"]
     return row
 
 

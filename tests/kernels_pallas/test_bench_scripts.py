@@ -26,6 +26,8 @@ def test_gpu_check_dry_run_runs_both_attention_benches(tmp_path):
             assert r["max_abs_err"] < 1e-2  # "auto" on CPU is the reference itself
             assert r["kernel_ms"] > 0 and 0 < r["kernel_hbm_roofline_frac"] < 1
             assert r["bf16_over_kernel"] == pytest.approx(r["bf16_ms"] / r["kernel_ms"])
+    for r in report["sections"]["bench_paged"]["rows"]:  # JAX's own GPU kernel, interpreted
+        assert r["jax_paged_max_abs_err"] < 1e-2 and r["jax_paged_ms"] > 0
     vq = report["sections"]["bench_vq"]["rows"][0]  # smollm2, batch 2, 40 tokens
     hq, hkv, d = vq_bench.SHAPES["smollm2_layer"]
     g, k = d // vq_bench.GROUP, vq_bench.CENTROIDS
