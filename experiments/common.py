@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import importlib.metadata
 import json
 import os
@@ -252,3 +253,15 @@ def _jsonable(x):
 def claim(name: str, target: str, measured: Any, met: bool | None) -> dict:
     return {"claim": name, "target": target, "measured": measured,
             "met": "n/a" if met is None else ("yes" if met else "no")}
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_only(gguf_path: str | None = None):
+    """The tokenizer of a GGUF model (the embedded SmolLM2 when empty) without loading its
+    weights: what an experiment's `test_items(config)` needs to list its text windows."""
+    import gguf
+    from research.model.gguf_loader import default_gguf_path, read_tokenizer
+    path = Path(gguf_path) if gguf_path else default_gguf_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return read_tokenizer(gguf.GGUFReader(str(path)), path)

@@ -21,14 +21,26 @@ results.json["protocol"]:
 fingerprint of the defaults last changed: a changed default resets it, so n = 1 is a test
 split scored once with its final defaults, and n > 1 says it was scored again (e.g. a
 timing rerun) with the same defaults. A dev run is recorded nowhere.
+
+The item ledger (below; docs/protocol.md "The item ledger"): every test item a run scores,
+whatever its name or defaults, in `<workdir>/ledger/items_<technique>.json`, declared by
+`begin_test_run` before the run scores anything (from the module's `test_items(config)`)
+and completed after; results.json["protocol"]["items"] says how many were re-scored.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
+import fcntl
 import hashlib
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 LEDGER_DIR = Path(__file__).resolve().parents[1] / "results" / "ledger"
 SPLITS = ("dev", "test")
@@ -138,3 +150,479 @@ def protocol_block(module, config, *, commit: str | None = None,
     return record_test_scoring(module.TECHNIQUE, config.run_name, defaults,
                                chosen_on=module.DEFAULTS_CHOSEN_ON, commit=commit,
                                ledger_dir=ledger_dir)
+
+
+# -- the item ledger: every scored test item, whatever the run's name or fingerprint -------
+#
+# The run ledger above counts a run name's scorings; it cannot see the same test window
+# scored under another name (specscale_small's problems inside specscale_full's, one
+# PatchKV window inside another run's), and it is written after the run returns. The item
+# ledger records every test item a run is about to score, by content hash, BEFORE scoring
+# starts ("started"), and marks the record "completed" after: an aborted run still counts.
+#
+# Items: a text window is identified by the sha256 of its token ids, and carries the hashes
+# of its content-defined chunks (anchored on token trigrams, as in rsync/LBFS), so a window
+# that overlaps another one (inside it, shifted, or tokenized from another document that
+# holds the same paragraphs) shares chunks with it; a problem, a prompt or any other
+# discrete item by the sha256 of its canonical JSON. A new item was "scored before" by each
+# earlier record (any technique, any run name) holding an item with its hash or one of its
+# chunks; `declare_test_items` returns those counts per item.
+
+ITEM_LEDGER_PREFIX = "items_"  # results/ledger/items_<technique>.json
+CHUNK_ANCHOR = 32  # a token is a chunk boundary when its trigram hash is 0 mod this
+CHUNK_MIN = 8  # tokens: chunks shorter than this are not recorded (too common to match on)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def canonical(content: Any) -> str:
+    """Canonical JSON of a discrete item's content (tuples as lists, sorted keys)."""
+    return json.dumps(_plain(content), sort_keys=True, separators=(",", ":"))
+
+
+def _ids_hash(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(ids, "<i4").tobytes()).hexdigest()
+
+
+def chunks(ids) -> tuple[str, ...]:
+    """Content-defined chunk hashes (16 hex digits each) of token ids: a boundary follows
+    each token whose trigram (with the two before it) hashes to 0 mod CHUNK_ANCHOR, at
+    least CHUNK_MIN tokens after the previous boundary; chunks shorter than CHUNK_MIN (the
+    tail) are dropped. Equal text gives equal chunks wherever it sits in a window."""
+    ids = np.asarray(ids, np.int64).astype(np.uint64)
+    n = len(ids)
+    if n < CHUNK_MIN:
+        return ()
+    h = np.zeros(n, np.uint64)
+    with np.errstate(over="ignore"):
+        h[2:] = ((ids[:-2] * _MIX + ids[1:-1]) * _MIX + ids[2:]) * _MIX
+    anchors = np.nonzero((h >> np.uint64(40)) % np.uint64(CHUNK_ANCHOR) == 0)[0]
+    out, begin = [], 0
+    for a in anchors[anchors >= 2]:
+        end = int(a) + 1
+        if end - begin >= CHUNK_MIN:
+            out.append(_ids_hash(ids[begin:end].astype(np.int64))[:16])
+            begin = end
+    if n - begin >= CHUNK_MIN:
+        out.append(_ids_hash(ids[begin:].astype(np.int64))[:16])
+    return tuple(dict.fromkeys(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One scored test item: `key` = sha256 of its content, `kind` (window, problem,
+    prompt, context, run), `what` a short human description, `chunks` (text only)."""
+
+    kind: str
+    key: str
+    what: str
+    chunks: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind, "what": self.what}
+        if self.chunks:
+            out["chunks"] = list(self.chunks)
+        return out
+
+
+def window_item(ids, what: str, kind: str = "window", overlap_ids=None) -> Item:
+    """A text window (token ids) as an item: keyed by the sha256 of its ids, chunked for
+    overlap (`overlap_ids`: the part whose overlap counts, e.g. without a fixed template
+    prefix; the whole window by default)."""
+    ids = np.asarray(ids, np.int64)
+    if ids.ndim != 1 or not len(ids):
+        raise ValueError(f"{what}: a window is a non-empty 1-D array of token ids")
+    return Item(kind, _ids_hash(ids), what,
+                chunks(ids if overlap_ids is None else overlap_ids))
+
+
+def text_windows(ids, spans, doc: str, kind: str = "window") -> list[Item]:
+    """Items of the token ranges `spans` ([begin, end) each) of `ids` (a document named
+    `doc`, e.g. "pydoc test half")."""
+    ids = np.asarray(ids)
+    out = []
+    for b, e in spans:
+        if not 0 <= b < e <= len(ids):
+            raise ValueError(f"{doc}: window [{b}, {e}) is outside its {len(ids)} tokens")
+        out.append(window_item(ids[b:e], f"{doc} tokens [{b}, {e}) of {len(ids)}", kind))
+    return out
+
+
+def tiled_windows(ids, window: int, doc: str, kind: str = "window") -> list[Item]:
+    """The whole of `ids` as consecutive windows of `window` tokens (the last may be
+    shorter): what a run declares when it cannot list exactly what it scores."""
+    n = len(ids)
+    return text_windows(ids, [(b, min(b + window, n)) for b in range(0, n, window)], doc,
+                        kind)
+
+
+def content_item(kind: str, content: Any, what: str | None = None) -> Item:
+    """A discrete item (problem, prompt) keyed by the sha256 of its canonical JSON."""
+    text = canonical(content)
+    return Item(kind, sha(f"{kind}\x00{text}"), what or text[:120])
+
+
+def run_item(technique: str, run_name: str) -> Item:
+    """The fallback item of a module that does not list its test items: the run name
+    itself, so at least a rerun under the same name is counted."""
+    return content_item("run", [technique, run_name],
+                        f"{technique}/{run_name}: items not listed (module has no test_items)")
+
+
+def item_ledger_path(technique: str, ledger_dir: Path | str | None = None) -> Path:
+    ledger_path(technique)  # validates the name
+    return Path(ledger_dir or LEDGER_DIR) / f"{ITEM_LEDGER_PREFIX}{technique}.json"
+
+
+def _empty_item_ledger(technique: str) -> dict:
+    return {"technique": technique, "items": {}, "scorings": []}
+
+
+def read_item_ledger(technique: str, ledger_dir: Path | str | None = None) -> dict:
+    path = item_ledger_path(technique, ledger_dir)
+    if not path.exists():
+        return _empty_item_ledger(technique)
+    try:
+        ledger = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"item ledger {path} is not valid JSON ({e}); fix it") from None
+    if ledger.get("technique") != technique or not isinstance(ledger.get("scorings"), list):
+        raise ValueError(f"{path} is not an item ledger of {technique!r}")
+    return ledger
+
+
+def item_ledgers(ledger_dir: Path | str | None = None) -> list[dict]:
+    """Every technique's item ledger in `ledger_dir`."""
+    d = Path(ledger_dir or LEDGER_DIR)
+    return [read_item_ledger(p.stem[len(ITEM_LEDGER_PREFIX):], d)
+            for p in sorted(d.glob(f"{ITEM_LEDGER_PREFIX}*.json"))]
+
+
+@contextlib.contextmanager
+def _locked(ledger_dir: Path | str | None):
+    d = Path(ledger_dir or LEDGER_DIR)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".items.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _write_item_ledger(ledger: dict, ledger_dir) -> None:
+    path = item_ledger_path(ledger["technique"], ledger_dir)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(ledger, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+SCORED, LOAD = "scored", "load"  # a record's use of its items (module TEST_ITEMS_USE)
+
+
+def prior_counts(items: list[Item], ledger_dir: Path | str | None = None,
+                 exclude: str | None = None, use: str = SCORED) -> list[dict]:
+    """Per item {"prior": n, "by_technique": {technique: n}}: how many earlier records of
+    `use` hold the item or an item overlapping it (a shared chunk), in every technique's
+    item ledger. "scored": runs that measured quality or accuracy on the item; "load":
+    runs that used it only as a workload (serving speed, routing traces), counted apart so
+    a throughput run does not mark every quality number re-scored. A record's `count`
+    (default 1) is the number of scorings it stands for (seeded history). `exclude`: a
+    scoring id to skip."""
+    by_key: dict[str, list] = {}
+    by_chunk: dict[str, list] = {}
+    for ledger in item_ledgers(ledger_dir):
+        t = ledger["technique"]
+        for rec in ledger["scorings"]:
+            if (rec.get("id") == exclude or not rec.get("items")
+                    or rec.get("use", SCORED) != use):
+                continue
+            ref = (t, rec["id"], int(rec.get("count", 1)))
+            for key in rec["items"]:
+                by_key.setdefault(key, []).append(ref)
+                for c in ledger["items"].get(key, {}).get("chunks", ()):
+                    by_chunk.setdefault(c, []).append(ref)
+    out = []
+    for item in items:
+        refs = {r for r in by_key.get(item.key, ())}
+        for c in item.chunks:
+            refs.update(by_chunk.get(c, ()))
+        per: dict[str, int] = {}
+        for t, _, n in refs:
+            per[t] = per.get(t, 0) + n
+        out.append({"prior": sum(per.values()), "by_technique": per})
+    return out
+
+
+@dataclasses.dataclass
+class Declaration:
+    """What `declare_test_items` wrote: the record's id and each item's prior counts."""
+
+    technique: str
+    run_name: str
+    scoring_id: str
+    items: list[Item]
+    prior: list[int]  # per item: earlier scorings of it (or of an overlapping item), anywhere
+    prior_same_technique: list[int]
+    unlisted_prior: list[dict]  # the technique's documented scorings without item lists
+    prior_by_technique: list[dict] = dataclasses.field(default_factory=list)
+    prior_load: list[int] = dataclasses.field(default_factory=list)  # earlier "load" uses
+    use: str = SCORED
+
+    def block(self, status: str = "started") -> dict:
+        """The results.json["protocol"]["items"] block."""
+        rescored = [p for p in self.prior if p > 0]
+        same = [p for p in self.prior_same_technique if p > 0]
+        return {"scoring_id": self.scoring_id, "status": status, "use": self.use,
+                "items_total": len(self.items), "items_rescored": len(rescored),
+                "max_prior_load_uses": max(self.prior_load, default=0),
+                "max_prior_scorings": max(self.prior, default=0),
+                "items_rescored_same_technique": len(same),
+                "max_prior_scorings_same_technique": max(self.prior_same_technique,
+                                                         default=0),
+                "kinds": sorted({i.kind for i in self.items}),
+                # per technique that scored some of these items before: the most times
+                "max_prior_by_technique": {
+                    t: max(p.get(t, 0) for p in self.prior_by_technique)
+                    for t in sorted({t for p in self.prior_by_technique for t in p})},
+                "unlisted_prior_scorings": [
+                    {k: u[k] for k in ("count", "reason") if k in u}
+                    for u in self.unlisted_prior]}
+
+
+def declare_test_items(technique: str, run_name: str, items: list[Item], *,
+                       defaults_fingerprint: str | None = None, commit: str | None = None,
+                       ledger_dir: Path | str | None = None,
+                       use: str = SCORED) -> Declaration:
+    """Record that `run_name` of `technique` is about to score `items` (status "started",
+    written now, before any scoring) and return, per item, how many times it (or an item
+    overlapping it) was scored before anywhere. Call `complete_test_items` after.
+    use: SCORED (quality/accuracy is measured on the items) or LOAD (`prior_counts`)."""
+    if not items:
+        raise ValueError(f"{technique}/{run_name}: a test run must declare its test items")
+    if use not in (SCORED, LOAD):
+        raise ValueError(f"use must be {SCORED!r} or {LOAD!r}, got {use!r}")
+    items = list({i.key: i for i in items}.values())  # one per content
+    with _locked(ledger_dir):
+        counts = prior_counts(items, ledger_dir)
+        load = prior_counts(items, ledger_dir, use=LOAD)
+        ledger = read_item_ledger(technique, ledger_dir)
+        for i in items:
+            ledger["items"].setdefault(i.key, i.to_json())
+        sid = f"{_now()}-{uuid.uuid4().hex[:8]}"
+        ledger["scorings"].append({
+            "id": sid, "run_name": run_name, "status": "started", "started_utc": _now(),
+            "completed_utc": None, "defaults_fingerprint": defaults_fingerprint,
+            "commit": commit, "use": use, "items": [i.key for i in items]})
+        _write_item_ledger(ledger, ledger_dir)
+    unlisted = [r for r in ledger["scorings"] if not r.get("items")]
+    return Declaration(technique, run_name, sid, items, [c["prior"] for c in counts],
+                       [c["by_technique"].get(technique, 0) for c in counts], unlisted,
+                       [c["by_technique"] for c in counts], [c["prior"] for c in load], use)
+
+
+def complete_test_items(declaration: Declaration,
+                        ledger_dir: Path | str | None = None) -> None:
+    """Mark `declaration`'s record "completed" (a record left "started" is an aborted run;
+    it is counted all the same)."""
+    with _locked(ledger_dir):
+        ledger = read_item_ledger(declaration.technique, ledger_dir)
+        for rec in ledger["scorings"]:
+            if rec["id"] == declaration.scoring_id:
+                rec["status"], rec["completed_utc"] = "completed", _now()
+                break
+        else:
+            raise ValueError(f"no scoring {declaration.scoring_id} in the item ledger of "
+                             f"{declaration.technique}")
+        _write_item_ledger(ledger, ledger_dir)
+
+
+def record_prior_scorings(technique: str, label: str, items: list[Item] | None, *,
+                          count: int, reason: str, ledger_dir: Path | str | None = None,
+                          use: str = SCORED) -> None:
+    """Seed the item ledger with `count` scorings that happened before it existed: with
+    their items when they can be rebuilt, else (items None) a documented entry that the
+    technique's runs report as unlisted prior scorings. Idempotent per `label`."""
+    if count < 1 or not reason:
+        raise ValueError("a prior scoring needs count >= 1 and a reason")
+    with _locked(ledger_dir):
+        ledger = read_item_ledger(technique, ledger_dir)
+        ledger["scorings"] = [r for r in ledger["scorings"] if r["id"] != f"prior:{label}"]
+        for i in items or ():
+            ledger["items"].setdefault(i.key, i.to_json())
+        ledger["scorings"].append({
+            "id": f"prior:{label}", "run_name": label, "status": "prior", "count": count,
+            "reason": reason, "use": use, "items": [i.key for i in items] if items else []})
+        _write_item_ledger(ledger, ledger_dir)
+
+
+def list_test_items(module, config) -> list[Item]:
+    """`module.test_items(config)` (the items the run will score), or the run-name
+    fallback item for a module that cannot list them."""
+    fn = getattr(module, "test_items", None)
+    items = list(fn(config)) if fn is not None else [run_item(module.TECHNIQUE,
+                                                              config.run_name)]
+    if not items or not all(isinstance(i, Item) for i in items):
+        raise ValueError(f"{module.__name__}.test_items must return a non-empty list of "
+                         "protocol.Item")
+    return items
+
+
+def rescored_line(items_block: dict | None) -> str:
+    """The table.md line stating the run's re-scored test items."""
+    if not items_block:
+        return "protocol: dev run, no test item scored"
+    n, r, k = (items_block[x] for x in ("items_total", "items_rescored",
+                                        "max_prior_scorings"))
+    line = (f"protocol: {n} test item(s) ({', '.join(items_block['kinds'])}); "
+            + (f"{r} re-scored (up to {k} earlier scoring(s) anywhere: every number above is "
+               f"re-scored ({k}))" if r else "none scored before (item ledger)"))
+    same = items_block["items_rescored_same_technique"]
+    if same:
+        line += (f"; {same} by this technique (up to "
+                 f"{items_block['max_prior_scorings_same_technique']})")
+    by = items_block.get("max_prior_by_technique") or {}
+    if by:
+        line += "; earlier scorings by technique: " + ", ".join(f"{t} {n}"
+                                                              for t, n in by.items())
+    for u in items_block["unlisted_prior_scorings"]:
+        line += f"; unlisted prior scorings of this technique: {u['count']} ({u['reason']})"
+    if items_block.get("max_prior_load_uses"):
+        line += (f"; used as a workload (no quality scored) by up to "
+                 f"{items_block['max_prior_load_uses']} earlier run(s)")
+    if items_block.get("use") == LOAD:
+        line += "; this run uses its items as a workload only (speed, not quality)"
+    return line
+
+
+def begin_test_run(module, config, *, commit: str | None = None,
+                   ledger_dir: Path | str | None = None) -> Declaration | None:
+    """Before a test run scores anything: list its items and declare them (None for a dev
+    run). Called by `experiments.run`; the record stays "started" if the run aborts."""
+    if validate(module, config) != "test":
+        return None
+    return declare_test_items(module.TECHNIQUE, config.run_name,
+                              list_test_items(module, config),
+                              defaults_fingerprint=fingerprint(module.defaults(config)),
+                              commit=commit, ledger_dir=ledger_dir,
+                              use=getattr(module, "TEST_ITEMS_USE", SCORED))
+
+
+def annotate_report(report, items_block: dict | None) -> None:
+    """Put the re-scored count beside the run's numbers: each claim's measured value gets
+    " re-scored (k)" (k = the most earlier scorings of any of the run's test items) and the
+    notes (table.md) get `rescored_line`."""
+    if items_block and items_block["max_prior_scorings"]:
+        k = items_block["max_prior_scorings"]
+        for c in report.claims:
+            m = c.get("measured")
+            m = f"{m:.4g}" if isinstance(m, float) else str(m)
+            c["measured"] = f"{m} re-scored ({k})"
+    report.notes.append(rescored_line(items_block))
+
+
+def overlaps(a: list[Item], b: list[Item]) -> list[tuple[Item, Item]]:
+    """The pairs (x in a, y in b) that are the same item or share a chunk of text: what a
+    dev or calibration item must never have with a test item."""
+    by_key = {y.key: y for y in b}
+    by_chunk = {c: y for y in b for c in y.chunks}
+    out = []
+    for x in a:
+        y = by_key.get(x.key) or next((by_chunk[c] for c in x.chunks if c in by_chunk), None)
+        if y is not None:
+            out.append((x, y))
+    return out
+
+
+# -- seeding the item ledger with what was scored before it existed ------------------------
+
+def _run_ledger_reason(technique: str, run_name: str, entry: dict) -> str:
+    commits = sorted({(r.get("commit") or "?")[:7] for r in entry.get("runs", [])})
+    return (f"run ledger results/ledger/{technique}.json: {run_name} scored "
+            f"{entry['test_scorings']} time(s) with defaults {entry['defaults_fingerprint']} "
+            f"(commit(s) {', '.join(commits)}); items rebuilt from "
+            f"results/{run_name}/results.json's config")
+
+
+def heldout_windows(spans, doc="pydoc heldout (dev + test topics)") -> list[Item]:
+    """Windows of the whole held-out prose (dev and test topics, the text the runs before
+    the dev/test halves scored) with the embedded tokenizer: for `prior_scorings`."""
+    from experiments import common
+    from research import data
+    ids = common.tokenizer_only(None).encode(data.corpus_text("heldout"))
+    return text_windows(ids, spans, doc)
+
+
+def _experiment_modules() -> list:
+    """Every experiments/<x>/experiment.py, imported by name (so this module imports no
+    experiment statically)."""
+    import importlib
+    root = Path(__file__).resolve().parent
+    return [importlib.import_module(f"experiments.{p.parent.name}.experiment")
+            for p in sorted(root.glob("*/experiment.py"))]
+
+
+# runs whose items the run ledger cannot rebuild from today's code (their split changed):
+# the experiment's `prior_scorings()` entries stand for them
+_REBUILT_BY_LEAKS = {("dynacore", "dynacore_small"), ("dynacore", "dynacore_full")}
+
+
+def seed_history(ledger_dir: Path | str | None = None,
+                 results_dir: Path | str | None = None) -> list[str]:
+    """Seed the item ledgers from the run ledgers (results/ledger/<technique>.json: each
+    test run's items rebuilt from its results.json config by its module's `test_items`)
+    and from each experiment module's `prior_scorings()` (issue 36's list of leaks: dicts
+    of label, count, reason and items, None when they cannot be rebuilt); a run whose items
+    cannot be rebuilt gets a documented entry without items. Idempotent (entries are
+    replaced by label). Returns a log."""
+    import importlib
+
+    from ml_collections import ConfigDict
+    ledger_dir = Path(ledger_dir or LEDGER_DIR)
+    results_dir = Path(results_dir or ledger_dir.parent)
+    log = []
+    for path in sorted(ledger_dir.glob("*.json")):
+        if path.name.startswith(ITEM_LEDGER_PREFIX):
+            continue
+        technique = path.stem
+        for run_name, entry in read_ledger(technique, ledger_dir)["splits"].items():
+            if (technique, run_name) in _REBUILT_BY_LEAKS:
+                continue
+            label, reason = f"run-ledger:{run_name}", _run_ledger_reason(technique, run_name,
+                                                                          entry)
+            items, use = None, SCORED
+            try:
+                payload = json.loads((results_dir / run_name / "results.json").read_text())
+                config = ConfigDict(payload["config"])
+                module = importlib.import_module(config.experiment)
+                items = list_test_items(module, config)
+                use = getattr(module, "TEST_ITEMS_USE", SCORED)
+            except Exception as e:  # noqa: BLE001 - recorded as an unlisted entry instead
+                reason += f"; items not rebuilt ({type(e).__name__}: {str(e)[:160]})"
+            record_prior_scorings(technique, label, items, count=entry["test_scorings"],
+                                  reason=reason, ledger_dir=ledger_dir, use=use)
+            log.append(f"{technique}/{label}: {len(items) if items else 'unlisted'} items x "
+                       f"{entry['test_scorings']}")
+    for module in _experiment_modules():  # the leaks each experiment knows of (issue 36)
+        for p in getattr(module, "prior_scorings", lambda: [])():
+            record_prior_scorings(module.TECHNIQUE, p["label"], p["items"], count=p["count"],
+                                  reason=p["reason"], ledger_dir=ledger_dir)
+            log.append(f"{module.TECHNIQUE}/{p['label']}: "
+                       f"{len(p['items']) if p['items'] else 'unlisted'} items x {p['count']}")
+    return log
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["seed"]:
+        sys.exit("usage: python -m experiments.protocol seed   (seed results/ledger/items_*.json"
+                 " from the run ledgers and issue 36's list of leaks)")
+    from experiments import protocol  # the module the experiments import, not __main__
+    print("\n".join(protocol.seed_history()))

@@ -104,19 +104,30 @@ def main(argv) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     git = common.git_state()  # before the run: the code that runs, not edits made meanwhile
     command = ["python", "-m", "experiments.run", *sys.argv[1:]]  # not this machine's path
+    # the ledgers live beside the result folders: results/ledger/<technique>.json (runs)
+    # and results/ledger/items_<technique>.json (test items, written before scoring)
+    ledger_dir = Path(_WORKDIR.value) / "ledger"
+    declared = protocol.begin_test_run(module, config, commit=git.get("commit"),
+                                       ledger_dir=ledger_dir)
+    if declared is not None:
+        logging.info("declared %d test items (%d scored before)", len(declared.items),
+                     sum(p > 0 for p in declared.prior))
     t0 = time.perf_counter()
     report = module.run(config, out_dir)
     elapsed = time.perf_counter() - t0
-    # the ledger lives beside the result folders: results/ledger/<technique>.json
+    if declared is not None:
+        protocol.complete_test_items(declared, ledger_dir=ledger_dir)
     block = protocol.protocol_block(module, config, commit=git.get("commit"),
-                                    ledger_dir=Path(_WORKDIR.value) / "ledger")
+                                    ledger_dir=ledger_dir)
+    block["items"] = declared.block("completed") if declared is not None else None
+    protocol.annotate_report(report, block["items"])
     common.write_results(report, out_dir, config.to_dict(), config.seed, command, elapsed,
                          git=git, protocol=block)
     print(common.render_markdown(report))
     print(f"wrote {out_dir}/results.json, table.md" + (", plot.png" if report.plot else "")
           + f" in {elapsed:.0f}s; {block['split']} split of {block['technique']}"
-          + (f", test scorings with these defaults: {block['test_scorings']}"
-             if block["split"] == "test" else ""))
+          + (f", test scorings with these defaults: {block['test_scorings']}; "
+             + protocol.rescored_line(block["items"]) if block["split"] == "test" else ""))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common
+from experiments import common, protocol
 from research import data
 from research.core.timing import time_fn
-from research.eval.perplexity import perplexity
+from research.eval.perplexity import perplexity, windows
 from research.kv import memory
 from research.model import load
 from research.serving import generate as gen
@@ -22,6 +22,17 @@ DEFAULTS_CHOSEN_ON = "nothing chosen: the model as loaded, f32 and bf16"
 
 def defaults(config) -> dict:
     return {"dtypes": list(config.throughput.dtypes)}
+
+
+def test_items(config) -> list:
+    """The perplexity windows this run scores (the item ledger, experiments/protocol.py)."""
+    tok = common.tokenizer_only(config.gguf_path or None)
+    ids = tok.encode(data.load_text(config.text_path, split=config.text_split))
+    p = config.ppl
+    spans = [(w.begin, w.end) for w in windows(len(ids), p.window, p.stride)
+             [:p.max_windows or None]]
+    doc = config.text_path or f"pydoc {config.text_split} half"
+    return protocol.text_windows(ids, spans, doc)
 
 
 VARIANTS = {"float32": chain(), "bfloat16": chain(weights_dtype("bfloat16"),

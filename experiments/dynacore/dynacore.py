@@ -5,7 +5,10 @@ Command:   python -m experiments.run --config=experiments/dynacore/dynacore.py:s
 Hardware:  small = CPU, ~15 minutes on an idle 2-core machine (874 s at 013d367; dev 4 +
            test 8 windows of 256 tokens, 128 prefilled + 128 decoded; speed with 1 thread);
            full = CPU, ~40 minutes (2,370 s at 7ced55b; dev 8 + test 32 windows, longer
-           timing, handoff up to 2,048 tokens).
+           timing, handoff up to 2,048 tokens). Dev and test windows now come from the
+           protocol's dev and test halves of the held-out topics (before: by offset from
+           one held-out text, the runs above); full scores 22 test windows (the test half
+           holds 5,882 tokens).
 Expected:  dev choice (in-run, on dev windows only): SmoothQuant 0.5 for W8A8, float-zero
            GPTQ for W4A16 g64; quality (test windows, handoff protocol, KL vs f32 on
            decoded tokens): W8A8 sq0.5 ~+1.1% perplexity (target 1%), W4A16 g64 ~+14-15%
@@ -33,8 +36,10 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.sections = "quality,hlo,speed,handoff"
     c.gguf_path = ""
     c.quality = ml_collections.ConfigDict(dict(
+        # dev windows from the dev half of the held-out topics, test windows from the test
+        # half (5,882 tokens: at most 22 windows of 256)
         window=256, n_prefill=128, dev_windows=4 if small else 8,
-        test_windows=8 if small else 32, batch_size=4,
+        test_windows=8 if small else 22, batch_size=4,
         group_sizes=(32, 64, 128), dev_group=64, dev_smooth=(0.3, 0.5, 0.8),
         cal_seqs=16))
     c.speed = ml_collections.ConfigDict(dict(

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common
+from experiments import common, protocol
 from research import data
 from research.core.timing import time_fn
 from research.dynacore import (BF16, GPUS, H200, LINKS, LLAMA_31_70B, METHODS, W4A16_G64,
@@ -52,7 +52,44 @@ def defaults(config) -> dict:
             "choice": "lowest dev KL(f32 || setting) on decoded tokens",
             "calibration": f"{q.cal_seqs} x {q.window} tokens of the calibration split",
             "window": q.window, "n_prefill": q.n_prefill, "dev_windows": q.dev_windows,
-            "test_windows": q.test_windows}
+            "test_windows": q.test_windows,
+            "text": "dev windows from the dev half, test windows from the test half of the "
+                    "held-out topics (research.data.corpus_text, docs/protocol.md)"}
+
+
+def prior_scorings() -> list[dict]:
+    """Test scorings before the item ledger (issue 36), for `protocol.seed_history`."""
+    return [
+        {"label": "issue36:dynacore_small-old-offset-windows", "count": 3, "reason": (
+            "issue 36: dynacore_small's 8 test windows (held-out text by offset, windows 4-11 "
+            "of 256 tokens) were scored twice with the old defaults and once more at 013d367 "
+            "(ledger history at 7c5d314); dynacore_full's dev windows 0-7 also held windows "
+            "4-7. The windows now come from the protocol's test half"),
+         "items": protocol.heldout_windows([(i * 256, (i + 1) * 256) for i in range(4, 12)])},
+        {"label": "issue36:dynacore_full-old-offset-windows", "count": 1, "reason": (
+            "dynacore_full at 7ced55b: 32 test windows of 256 tokens by offset (windows "
+            "8-39) from the held-out text (run ledger: 1 scoring)"),
+         "items": protocol.heldout_windows([(i * 256, (i + 1) * 256) for i in range(8, 40)])},
+    ]
+
+
+def quality_windows(tok, config, split: str) -> np.ndarray:
+    """[n, window] token windows of `split` ("dev" / "test"): the first n consecutive
+    windows of that half of the held-out prose (the protocol's topic-hashed halves, so a
+    dev window never shares text with a test window)."""
+    q = config.quality
+    n = q.dev_windows if split == "dev" else q.test_windows
+    return windows(tok.encode(data.corpus_text(split)), q.window, n, 0)
+
+
+def test_items(config) -> list:
+    """The test windows the quality section scores (the item ledger,
+    experiments/protocol.py); a run that does not compute the quality section scores none
+    but reports the saved one, so its windows are declared all the same."""
+    tok = common.tokenizer_only(config.gguf_path or None)
+    return [protocol.window_item(w, f"pydoc test half tokens [{i * len(w)}, "
+                                    f"{(i + 1) * len(w)})")
+            for i, w in enumerate(quality_windows(tok, config, "test"))]
 
 
 COLUMNS = ["setting", "prefill", "decode", "linear MB", "ppl all", "ppl decoded",
@@ -107,9 +144,8 @@ def choose_on_dev(models: Models, dev, q):
 
 def quality(model, tok, config):
     q = config.quality
-    ids = tok.encode(data.corpus_text("heldout"))
-    dev = windows(ids, q.window, q.dev_windows, 0)
-    test = windows(ids, q.window, q.test_windows, q.dev_windows)  # disjoint by offset
+    dev = quality_windows(tok, config, "dev")  # disjoint halves (docs/protocol.md)
+    test = quality_windows(tok, config, "test")
     cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), q.window,
                                    q.cal_seqs)
     models = Models(model, cal)
@@ -293,7 +329,7 @@ def measured_handoff(model, tok, config):
     loaded CPU; decoding a handed-off cache is tested for f32 and is codec-independent)."""
     from research.tasq import TaSQConfig, tasq
     d = config.disagg
-    ids = tok.encode(data.corpus_text("heldout"))
+    ids = tok.encode(data.corpus_text("dev"))  # a timing of the handoff: dev text
     cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 256,
                                    d.tasq_seqs)
     tcfg = TaSQConfig(bits=1, kmeans_iters=d.tasq_iters, max_points=4096, seed=config.seed)

@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from experiments import common
+from experiments import common, protocol
 from kernels_pallas.grouped_matmul import BlockSizes, GroupedMatmul
 from research import data as corpus
 from research.core.timing import geomean, time_fn, time_interleaved
@@ -188,6 +188,14 @@ def ffn_inputs(model, tokens) -> jax.Array:
     x = model.params["embed"][tokens] + out.captures[0]["attn"] @ p["wo"]
     h = layers.rms_norm(x, p["ffn_norm"], model.config.norm_eps)
     return h.reshape(-1, h.shape[-1])
+
+
+def test_items(config) -> list:
+    """The traces' text (random windows of it route the trained model's tokens), whole, as
+    byte windows of the training sequence length (the item ledger, experiments/protocol.py)."""
+    split = config.traces.split
+    return protocol.tiled_windows(encode(corpus.corpus_text(split)), config.train.seq_len,
+                                  f"pydoc {split} (bytes)", kind="byte window")
 
 
 def ep_mesh(n_devices: int):

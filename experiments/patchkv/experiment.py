@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments import common
+from experiments import common, protocol
 from research import data
 from research.eviction import POLICIES, evict, trim_states
 from research.kv.base import state_nbytes
@@ -41,6 +41,31 @@ def defaults(config) -> dict:
                       "patch_strengths", "patch_target", "quantizer_patch_target",
                       "quantizer_query_scales")} | {"retrieval_probes":
                                                     config.retrieval.probes.to_dict()}
+
+
+def test_items(config) -> list:
+    """The continuation windows (context + continuations) and retrieval contexts this run
+    scores (the item ledger, experiments/protocol.py). A retrieval context's overlap is
+    its document (filler prose and facts), not the fixed chat-template head."""
+    tok = common.tokenizer_only(config.gguf_path or None)
+    split_ids, token_range, n_text, text_name = evaluation_ids(tok, config)
+    doc = f"{text_name} ({config.split})"
+    items = []
+    if config.continuation.n_contexts:
+        cont = continuation_tasks(split_ids, **config.continuation.to_dict())
+        items += protocol.text_windows(split_ids, [t.window for t in cont], doc)
+    r = config.retrieval
+    seed0 = config.seed + (0 if config.split == "test" else DEV_RETRIEVAL_SEEDS)
+    head = tok.apply_chat_template([{"role": "user", "content": "X"}])
+    head = head[:head.rindex("X")] + "Read the document and remember the access codes.\n\n"
+    n_head = len(tok.encode(head))
+    for i in range(r.n_contexts):
+        t = retrieval_task(tok, split_ids, n_facts=r.n_facts, context_len=r.context_len,
+                           seed=seed0 + i)
+        items.append(protocol.window_item(
+            t.context, f"retrieval context seed {seed0 + i} over {doc}", kind="context",
+            overlap_ids=t.context[n_head:]))
+    return items
 
 
 TARGET_COMPRESSIONS = ("snapkv", "streaming_llm", "tasq-1bit")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import common
+from experiments import common, protocol
 from research import data
 from research.core.timing import time_interleaved
 from research.kv.paged import paged_kv_cache
@@ -25,11 +25,22 @@ from research.transforms import CalibrationData, calibrate_and_apply
 # dev/test protocol declarations (experiments/protocol.py): nothing is tuned here; the
 # equivalence checks compare a sharded run with one device on the same prompts
 TECHNIQUE = "scaleout"
+# the item ledger counts this run's test text as a workload, not as scored items:
+# sharded == unsharded equivalence and throughput: no quality is scored
+TEST_ITEMS_USE = "load"
 DEFAULTS_CHOSEN_ON = "none: mesh layouts, prompts and sizes fixed a priori, not tuned"
 
 
 def defaults(config) -> dict:
     return config.to_dict()
+
+
+def test_items(config) -> list:
+    """The held-out text the prompts are cut from, whole, as windows of 256 tokens (the
+    item ledger, experiments/protocol.py; equivalence checks only, nothing is scored)."""
+    tok = common.tokenizer_only(config.get("gguf_path", "") or None)
+    return protocol.tiled_windows(tok.encode(data.corpus_text("heldout")), 256,
+                                  "pydoc heldout")
 
 
 COLUMNS = ["part", "kind", "model", "layout", "devices", "cache", "KV codes equal",

@@ -7,8 +7,9 @@ import time
 
 import numpy as np
 
-from experiments import common
+from experiments import common, protocol
 from experiments.serving import loadgen as lg
+from research import data
 from research.model import load
 from research.serving.generate import default_stop_tokens
 
@@ -16,11 +17,24 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 # dev/test protocol declarations (experiments/protocol.py where it exists): nothing here
 # is tuned; engine sizes and SLOs were set a priori for a 2-core CPU
 TECHNIQUE = "serving"
+# the item ledger counts this run's test text as a workload, not as scored items:
+# throughput and latency: the prompts' text matters only through its lengths
+TEST_ITEMS_USE = "load"
 DEFAULTS_CHOSEN_ON = "none: engine sizes and SLOs set a priori for a 2-core CPU, not tuned"
 
 
 def defaults(config) -> dict:
     return {"engine": config.engine.to_dict(), "slo": config.slo.to_dict()}
+
+
+def test_items(config) -> list:
+    """The workload's text (prompts are its paragraphs, drawn at random): the whole of
+    `config.workload.split` as windows of 256 tokens (the item ledger,
+    experiments/protocol.py; speed only, no quality is scored)."""
+    tok = common.tokenizer_only(config.get("gguf_path", "") or None)
+    split = config.workload.split
+    return protocol.tiled_windows(tok.encode(data.corpus_text(split)), 256,
+                                  f"pydoc {split}")
 
 
 COLUMNS = ["section", "variant", "rate", "ok", "out_tok_s", "goodput_req_s", "ttft_p50_ms",

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from experiments import common
+from experiments import common, protocol
 from experiments.specdecode import prompts as P
 from research.core.timing import geomean, time_interleaved
 from research.model import load
@@ -26,6 +26,32 @@ from research.specdecode import (DraftLengthPolicy, chisquare_pvalue, early_exit
 # the dev/test protocol (experiments/protocol.py)
 TECHNIQUE = "specdecode"
 DEFAULTS_CHOSEN_ON = "python -m experiments.run --config=experiments/specdecode/specdecode.py:dev"
+
+
+def prompt_item(text: str, chat: bool):
+    """A prompt as a ledger item, keyed by its text and whether the chat template wraps it."""
+    return protocol.content_item("prompt", {"text": text, "chat": bool(chat)},
+                                 text[:60].replace("\n", " "))
+
+
+def test_items(config) -> list:
+    """Every prompt of the config's split (prompts.py): what the run scores."""
+    return [prompt_item(t, chat) for group in P.PROMPTS[config.split] for t, chat in group]
+
+
+def prior_scorings() -> list[dict]:
+    """Test scorings before the item ledger (issue 36), for `protocol.seed_history`."""
+    old_tuning = [  # the first two repetitive and free-form prompts of 68fabd0's prompts.py
+        (f"Rewrite the following paragraph, replacing 'cat' with 'dog':\n\n{P.PARAGRAPH}",
+         True),
+        (P.DOC + "\n" + P.DOC + "\n" + P.DOC[:80], False),
+        ("What are three benefits of regular exercise?", True),
+        ("Write a short story about a robot who learns to paint.", True)]
+    return [{"label": "issue36:specdecode-old-tuning-prompts", "count": 1, "reason": (
+        "issue 36: the four prompts the pre-protocol policy was tuned on (68fabd0's small "
+        "config: the first two repetitive and free-form prompts) are test prompts now; "
+        "scored at least once before the protocol"),
+        "items": [prompt_item(t, chat) for t, chat in old_tuning]}]
 
 
 def defaults(config) -> dict:

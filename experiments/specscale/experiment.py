@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax
 
-from experiments import common
+from experiments import common, protocol
 from research import data
 from research.model import load
 from research.model.precision import kv_cache_dtype
@@ -25,6 +25,28 @@ def defaults(config) -> dict:
             "beam": config.beam.to_dict(), "best_of_n": config.best_of_n,
             "process_verifier": config.process_verifier, "task": config.task.to_dict(),
             "limits": config.limits.to_dict()}
+
+
+def problem_item(p):
+    """An arithmetic problem as a ledger item: keyed by its content (start, operations),
+    as its split is (research.specscale.tasks.problem_key)."""
+    return protocol.content_item("arith problem", {"start": p.start, "ops": p.ops},
+                                 p.text.strip())
+
+
+def test_items(config) -> list:
+    """The problems this run scores (the item ledger, experiments/protocol.py)."""
+    task = make_task(config)
+    return [problem_item(p) for p in task.problems(config.n_problems, seed=config.seed,
+                                                   split=config.split)]
+
+
+def prior_scorings() -> list[dict]:
+    """Test scorings before the item ledger (issue 36), for `protocol.seed_history`."""
+    return [{"label": "issue36:specscale-preprotocol-seed0", "count": 1, "reason": (
+        "issue 36: the 24 pre-protocol seed-0 problems (the unsplit stream, 10 of them in "
+        "the test split), scored at least once before the protocol"),
+        "items": [problem_item(p) for p in ArithmeticChains().problems(24, seed=0)]}]
 
 
 COLUMNS = ["method", "accuracy", "acc_95ci", "problems/s", "wall_s", "compile_s",

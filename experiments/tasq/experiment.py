@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments import common
+from experiments import common, protocol
 from kernels_pallas.vq_attention import vq_decode_attention_reference
 from research import data
-from research.eval.perplexity import perplexity
+from research.eval.perplexity import perplexity, windows
 from research.kv import memory
 from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
@@ -35,6 +35,27 @@ def defaults(config) -> dict:
     """TaSQ's library defaults (TaSQConfig), the key space among them."""
     return {k: v for k, v in TaSQConfig().to_dict().items()
             if k not in ("implementation", "interpret")}
+
+
+def test_items(config) -> list:
+    """The perplexity windows and attention-error sequences this run scores (the item
+    ledger, experiments/protocol.py)."""
+    tok = common.tokenizer_only(config.gguf_path or None)
+    ids = tok.encode(data.corpus_text(config.split))
+    p, a = config.ppl, config.attn_error
+    spans = [(w.begin, w.end) for w in windows(len(ids), p.window, p.stride)
+             [:p.max_windows]]
+    spans += [(i * a.seq_len, (i + 1) * a.seq_len) for i in range(a.n_seqs)]
+    return protocol.text_windows(ids, list(dict.fromkeys(spans)),
+                                 f"pydoc {config.split} half")
+
+
+def prior_scorings() -> list[dict]:
+    """Test scorings before the item ledger (issue 36), for `protocol.seed_history`."""
+    return [{"label": "issue36:tasq-preprotocol-heldout", "count": 1, "reason": (
+        "issue 36: the pre-protocol run that led to pre-RoPE keys scored the first 8 x 256 "
+        "tokens of the held-out text (its test-topic paragraphs open the test half)"),
+        "items": protocol.heldout_windows([(i * 256, (i + 1) * 256) for i in range(8)])}]
 
 
 BF16 = "bf16"

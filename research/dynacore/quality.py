@@ -66,7 +66,9 @@ class Scores(NamedTuple):
 
 def windows(ids, window: int, n_windows: int, offset: int = 0) -> np.ndarray:
     """`n_windows` consecutive, non-overlapping windows of `window` tokens of `ids`,
-    starting at window index `offset` (dev: offset 0, test: offset = n_dev)."""
+    starting at window index `offset`. The experiment takes dev and test windows from the
+    protocol's two halves of the held-out text (offset 0 in each), never from one text by
+    offset (docs/protocol.md)."""
     ids = np.asarray(ids, np.int32)
     need = (offset + n_windows) * window
     if need > len(ids):

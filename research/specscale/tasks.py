@@ -8,7 +8,9 @@ A solution is explicit steps, one line each, then the answer:
 
 so a search can branch and be verified line by line. Problems are drawn from a seeded
 generator (the same `seed` gives the same problems); the few-shot examples in the prompts
-come from a separate fixed stream, never from the evaluated problems. Checking is
+come from a separate fixed stream and are dev problems by construction (`examples` keeps
+only problems whose content hashes into the dev split), so no test problem is ever shown
+as a worked example. Checking is
 programmatic (`check`): the number after the first "Answer:" must equal the true result.
 
 Difficulty knobs: `n_steps`, the start range and the operand range (the experiment's
@@ -134,8 +136,15 @@ class ArithmeticChains:
         return Problem(uid, start, tuple(ops))
 
     def examples(self, k: int) -> list[Problem]:
+        """The first k distinct **dev** problems of the fixed example stream (EXAMPLE_SEED):
+        few-shot examples are drawn from dev by construction, never from test (k=2 is a
+        prefix of k=8, so the generator's shots are among the verifier's)."""
+        if k < 1:
+            return []
         rng = random.Random(EXAMPLE_SEED)
-        return [self._draw(rng, uid=-1 - i) for i in range(k)]
+        stream = (self._draw(rng, uid=0) for _ in itertools.count())
+        chosen = splits.take(stream, "dev", k, salt=SPLIT_SALT, key=problem_key)
+        return [dataclasses.replace(p, uid=-1 - i) for i, p in enumerate(chosen)]
 
     # -- prompts ----------------------------------------------------------------------
     def shared_prompt(self, verifier: bool = False) -> str:

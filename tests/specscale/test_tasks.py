@@ -84,3 +84,18 @@ def test_problem_text_parses_back():
         assert parse_problem(p.text) == (p.start, p.ops)
     with pytest.raises(ValueError, match="not an arithmetic-chain problem"):
         parse_problem("Problem: Start with x.")
+
+
+def test_few_shot_examples_are_dev_problems():
+    """Examples come from dev by construction: example 1 used to be test problem 155."""
+    from research.core.splits import split_of
+    from research.specscale.tasks import SPLIT_SALT
+    t = ArithmeticChains()
+    shots = t.examples(t.verifier_shots)
+    assert all(split_of(problem_key(p), SPLIT_SALT) == "dev" for p in shots)
+    assert t.examples(t.n_shots) == shots[:t.n_shots]  # the generator's are the verifier's
+    assert len(set(map(problem_key, shots))) == len(shots)
+    assert [p.uid for p in shots] == [-1 - i for i in range(len(shots))]
+    test = t.problems(200, seed=0, split="test")  # specscale_full's test problems
+    assert not set(map(problem_key, shots)) & set(map(problem_key, test))
+    assert t.examples(0) == []
