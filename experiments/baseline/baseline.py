@@ -19,6 +19,9 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
     c.text_path = ""  # empty: the test half of the held-out prose (research/data.py)
     c.text_split = "test"
+    # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text,
+    # research/data.py; test runs only)
+    c.test_text = "pydoc"
     small = arg == "small"
     c.ppl = ml_collections.ConfigDict(dict(
         window=256 if small else 1024, stride=128 if small else 512,

@@ -24,10 +24,17 @@ def defaults(config) -> dict:
     return {"dtypes": list(config.throughput.dtypes)}
 
 
+def baseline_text(config) -> str:
+    """A file's text, or the split's (config.test_text "stdlib": the fresh test text)."""
+    if config.text_path or config.get("test_text", "pydoc") == "pydoc":
+        return data.load_text(config.text_path, split=config.text_split)
+    return data.split_text(config.text_split, config.test_text)
+
+
 def test_items(config) -> list:
     """The perplexity windows this run scores (the item ledger, experiments/protocol.py)."""
     tok = common.tokenizer_only(config.gguf_path or None)
-    ids = tok.encode(data.load_text(config.text_path, split=config.text_split))
+    ids = tok.encode(baseline_text(config))
     p = config.ppl
     spans = [(w.begin, w.end) for w in windows(len(ids), p.window, p.stride)
              [:p.max_windows or None]]
@@ -79,7 +86,7 @@ def memory_rows(model, budget_gib: float, contexts) -> list[dict]:
 def run(config, out_dir) -> common.Report:
     del out_dir  # the runner writes the report; nothing else to save
     model, tok = load(config.gguf_path or None)
-    ids = tok.encode(data.load_text(config.text_path, split=config.text_split))
+    ids = tok.encode(baseline_text(config))
     rows = []
     for dtype in VARIANTS:
         m = _variant(model, dtype)

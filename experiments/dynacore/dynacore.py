@@ -35,6 +35,9 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     # so the timed sections can run under the bench lock apart from the quality section
     c.sections = "quality,hlo,speed,handoff"
     c.gguf_path = ""
+    # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text,
+    # research/data.py; the test windows only, dev stays pydoc)
+    c.test_text = "pydoc"
     c.quality = ml_collections.ConfigDict(dict(
         # dev windows from the dev half of the held-out topics, test windows from the test
         # half (5,882 tokens: at most 22 windows of 256)

@@ -79,7 +79,8 @@ def quality_windows(tok, config, split: str) -> np.ndarray:
     dev window never shares text with a test window)."""
     q = config.quality
     n = q.dev_windows if split == "dev" else q.test_windows
-    return windows(tok.encode(data.corpus_text(split)), q.window, n, 0)
+    text = config.get("test_text", "pydoc") if split == "test" else "pydoc"
+    return windows(tok.encode(data.split_text(split, text)), q.window, n, 0)
 
 
 def test_items(config) -> list:

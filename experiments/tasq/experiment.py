@@ -41,13 +41,20 @@ def test_items(config) -> list:
     """The perplexity windows and attention-error sequences this run scores (the item
     ledger, experiments/protocol.py)."""
     tok = common.tokenizer_only(config.gguf_path or None)
-    ids = tok.encode(data.corpus_text(config.split))
+    ids = tok.encode(data.split_text(config.split, config.get("test_text", "pydoc")))
     p, a = config.ppl, config.attn_error
     spans = [(w.begin, w.end) for w in windows(len(ids), p.window, p.stride)
              [:p.max_windows]]
     spans += [(i * a.seq_len, (i + 1) * a.seq_len) for i in range(a.n_seqs)]
     return protocol.text_windows(ids, list(dict.fromkeys(spans)),
-                                 f"pydoc {config.split} half")
+                                 text_name(config))
+
+
+def text_name(config) -> str:
+    """The scored text: a pydoc half, or the fresh stdlib-docstring test text."""
+    if config.get("test_text", "pydoc") == "stdlib":
+        return "fresh stdlib-docstring test text (research/data.py)"
+    return f"pydoc {config.split} half"
 
 
 def prior_scorings() -> list[dict]:
@@ -324,7 +331,7 @@ def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
     cal_ids = tok.encode(data.corpus_text("calibration"))
     # dev: the key-space choice; test: every row, scored once with the final defaults
-    held_ids = tok.encode(data.corpus_text(config.split))
+    held_ids = tok.encode(data.split_text(config.split, config.get("test_text", "pydoc")))
     cal = CalibrationData.from_ids(cal_ids, config.calibration.seq_len,
                                    config.calibration.n_seqs)
     a = config.attn_error
@@ -359,7 +366,7 @@ def run(config, out_dir=None) -> common.Report:
             f"step {t[name + '_step_ms']:.2f} ms, {t[name + '_step_speedup']:.2f}x)"
             for name, label, _ in TIMED) for t in timing]
     notes = [
-        f"{config.split} half of the held-out text (research/data.py), {len(held_ids)} tokens (perplexity: {config.ppl.max_windows} windows "
+        f"{text_name(config)} (research/data.py), {len(held_ids)} tokens (perplexity: {config.ppl.max_windows} windows "
         f"of {config.ppl.window}, stride {config.ppl.stride}); calibration "
         f"{config.calibration.n_seqs}x{config.calibration.seq_len} tokens of the calibration "
         "split only",

@@ -27,6 +27,9 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     # dev: post- vs pre-RoPE keys on the dev half of the held-out text (the default key
     # space is the winner); small / full: every codec on the test half, scored once
     c.split = "dev" if arg == "dev" else "test"
+    # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text,
+    # research/data.py; test runs only)
+    c.test_text = "pydoc"
     c.seed = 0
     c.gguf_path = ""
     c.calibration = ml_collections.ConfigDict(dict(

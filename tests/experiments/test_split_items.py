@@ -82,3 +82,15 @@ def test_the_test_text_shares_no_text_with_dev_or_calibration():
     for split in ("dev", "calibration"):
         other = protocol.tiled_windows(tok.encode(data.corpus_text(split)), 256, split)
         assert not protocol.overlaps(other, test), split
+
+
+def test_the_fresh_test_text_shares_no_text_with_dev_or_calibration():
+    """The fresh stdlib-docstring test text (research/data.py) is what replaces the pydoc
+    test half for headline claims: no content-defined chunk in common with the pydoc dev
+    half or the calibration text, nor with the scored items already in the ledgers."""
+    tok = common.tokenizer_only(None)
+    fresh = protocol.tiled_windows(tok.encode(data.stdlib_text(check=False)), 256, "fresh")
+    for split in ("dev", "calibration", "test"):
+        other = protocol.tiled_windows(tok.encode(data.corpus_text(split)), 256, split)
+        assert not protocol.overlaps(other, fresh), split
+    assert all(c["prior"] == 0 for c in protocol.prior_counts(fresh))
