@@ -1,7 +1,9 @@
 """Scalar-quantised KV codecs and the helpers the low-bit codecs share.
 
 `Int8Codec`: symmetric int8 per (token, KV head) with a float16 scale: 8.25 bits per
-channel at head_dim 64, a dense dequantise on read (the usual serving baseline).
+channel at head_dim 64, a dense dequantise on read (the usual serving baseline), and its
+transform `int8_kv()`. The template of a new codec (docs/extending.md): a record spec,
+encode, decode, optionally a page reader, and one registration (research/kv/registry.py).
 
 Helpers: `pack_bits` / `unpack_bits` (sub-byte integers packed along the last axis, low
 bits first), `quantize_uniform` / `dequantize_uniform` (asymmetric min/max quantisation
@@ -102,3 +104,11 @@ class Int8Codec(KVCodec):
 
     def describe(self):
         return "int8[per-token]"
+
+
+def int8_kv():
+    """Transform: every layer's codec becomes Int8Codec, each keeping its layout."""
+    from research.kv.layouts import replace_codecs
+    from research.transforms import stateless
+    return stateless(lambda model, state: replace_codecs(model, lambda i: Int8Codec(),
+                                                         "int8_kv", "kv-int8"), "int8")

@@ -3,8 +3,11 @@ r"""Generate text from the command line.
     python -m research.serving.cli --prompt="What is the capital of France?"
     python -m research.serving.cli --gguf=/path/model.gguf --nochat --prompt="Once upon" \
         --temperature=0.8 --top_p=0.95 --seed=1 --max_new_tokens=64
+    python -m research.serving.cli --kv_codec=tasq-1bit --prompt="Hello"
 """
 from absl import app, flags
+
+from research.kv import registry
 
 _GGUF = flags.DEFINE_string("gguf", "", "llama-architecture GGUF file; default: SmolLM2")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "prompt text (repeat for a batch)")
@@ -15,6 +18,10 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed for sampling")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "params/KV dtype")
+_KV_CODEC = flags.DEFINE_enum(
+    "kv_codec", "f32", list(registry.names()),
+    "KV cache codec (research/kv/registry.py; calibrated ones on the corpus's calibration "
+    "split): " + "; ".join(f"{n}: {registry.get(n).summary}" for n in registry.names()))
 flags.mark_flag_as_required("prompt")
 
 
@@ -34,6 +41,8 @@ def main(argv):
     from research.serving.sampling import SamplingConfig
 
     model, tok = load(_GGUF.value or None, dtype=_DTYPE.value)
+    if _KV_CODEC.value != "f32":
+        model = registry.served_model(model, tok, _KV_CODEC.value, seed=_SEED.value)
     outs = generate_text(model, tok, _PROMPT.value, chat=_CHAT.value,
                          max_new_tokens=_MAX_NEW.value, key=jax.random.key(_SEED.value),
                          sampling=SamplingConfig(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value))

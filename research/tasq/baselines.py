@@ -1,6 +1,7 @@
 """The codecs TaSQ is compared against, as Transforms on the same model and framework.
 
-    int8_kv()          int8 per (token, head), float16 scales             (no calibration)
+    int8_kv()          int8 per (token, head), float16 scales             (no calibration;
+                       defined in research/kv/quantized.py beside its codec)
     kivi_kv(bits=2)    KIVI-style: keys per channel, values per token,
                        full-precision recent window                       (no calibration)
     sign_kv()          QJL-style sign-bit keys + sign-bit values          (no calibration)
@@ -18,7 +19,7 @@ from jaxtyping import Array
 from flax import struct
 
 from research.kv.layouts import replace_codecs
-from research.kv.quantized import Int8Codec
+from research.kv.quantized import int8_kv  # noqa: F401 - re-exported: the int8 baseline
 from research.model.llama import Model
 from research.tasq.cq import CQCodec
 from research.tasq.kivi import KIVICodec
@@ -28,11 +29,6 @@ from research.tasq.fingerprint import check_fingerprint, model_fingerprint
 from research.tasq.kmeans import kmeans
 from research.tasq.stats import collect
 from research.transforms import CalibrationData, Transform, stateless
-
-
-def int8_kv() -> Transform:
-    return stateless(lambda model, state: replace_codecs(model, lambda i: Int8Codec(),
-                                                         "int8_kv", "kv-int8"), "int8")
 
 
 def kivi_kv(bits: int = 2, key_group: int = 32, value_group: int = 32,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from research.kv import paged
+from research.kv import paged, registry
 from research.kv.block_allocator import BlockManager
 from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
@@ -71,7 +71,15 @@ def _codec(name):
     raise ValueError(name)
 
 
-CODECS = ("f32", "bf16", "int8", "sign", "vq", "tasq_post", "cq", "cq_perm", "tasq", "kivi")
+HAND_ROWS = ("f32", "bf16", "int8", "sign", "vq", "tasq_post", "cq", "cq_perm", "tasq",
+             "kivi")
+# registered codecs (research/kv/registry.py) whose codec a hand row above already is;
+# every other registered codec becomes a row of its own, built by its registered
+# transform (calibrated ones on the tiny calibration below): registering a codec is
+# enough for this matrix to run it
+REGISTERED_AS = {"f32": "f32", "bf16": "bf16", "int8": "int8", "tasq-1bit": "tasq",
+                 "kivi-2bit": "kivi"}
+CODECS = HAND_ROWS + tuple(n for n in registry.names() if n not in REGISTERED_AS)
 PARAMS = init_params(CONFIG, jax.random.key(0))
 
 
@@ -89,17 +97,31 @@ def _tasq_default():
     recorded max_points: every point is used). The XLA reader's rebuild block is set to
     4 positions so the short script crosses blocks (a read-path setting, not a k-means
     one)."""
-    rng = np.random.default_rng(5)
-    ids = rng.integers(0, CONFIG.vocab_size, 8 * 64)
     model, _ = calibrate_and_apply(tasq(tasq_default_config()), make_model(CONFIG, PARAMS),
-                                   CalibrationData.from_ids(ids, 64, 8))
+                                   _calibration())
     return model.params, tuple(c.codec.replace(block=4) for c in model.caches)
+
+
+def _calibration() -> CalibrationData:
+    rng = np.random.default_rng(5)
+    return CalibrationData.from_ids(rng.integers(0, CONFIG.vocab_size, 8 * 64), 64, 8)
+
+
+@functools.cache
+def _registered(name):
+    """(params, per-layer codecs) of a registered codec, installed by its transform."""
+    spec = registry.get(name)
+    model = registry.codec_model(make_model(CONFIG, PARAMS), name,
+                                 calibration=_calibration() if spec.calibrated else None)
+    return model.params, tuple(c.codec for c in model.caches)
 
 
 def _setup(name):
     """(params, per-layer codecs) of a row."""
     if name == "tasq":
         return _tasq_default()
+    if name not in HAND_ROWS:
+        return _registered(name)
     codec = _codec(name)
     return PARAMS, (codec, codec)
 
@@ -238,12 +260,14 @@ def test_every_layout_equals_the_dense_layout_of_the_same_codec(codec_name):
 
 # Relative logit error vs the f32 codec (max over the script's steps and rows), as
 # (floor, bound) per codec. Measured on this script (seeds fixed above): bf16 2.1e-3,
-# int8 6.5e-3, TaSQ's default 0.23, KIVI-2 0.18; the random-codebook rows (sign 1.24,
+# int8 6.5e-3, TaSQ's default 0.23, KIVI-2 0.18, the registry's TaSQ post-RoPE 0.50 and
+# sign-1bit 1.12; the random-codebook rows (sign 1.24,
 # vq 0.91, tasq_post 1.12, cq 1.10, cq_perm 1.07) are far off the float logits, as random
 # centroids are, but each must still stay finite and bounded. Floors are ~1/10 of the
 # measured error and at least 2e-4, over a thousand times f32's own reordering noise
 # (~1e-7): a codec that silently kept float32 fails. Bounds are ~2-4x the measured error.
 ERROR_BOUNDS = {"bf16": (2e-4, 8e-3), "int8": (6e-4, 2e-2), "tasq": (2e-2, 0.5),
+                "tasq-1bit-post": (5e-2, 1.5), "sign-1bit": (0.1, 2.5),
                 "kivi": (2e-2, 0.4), "sign": (0.1, 2.5), "vq": (0.1, 2.0),
                 "tasq_post": (0.1, 2.2), "cq": (0.1, 2.2), "cq_perm": (0.1, 2.2)}
 
@@ -253,7 +277,25 @@ def _logit_error(got, want) -> float:
                for (g, _), (w, _) in zip(got, want) for r in w)
 
 
-@pytest.mark.parametrize("codec_name", [c for c in CODECS if c != "f32"])
+def test_every_registered_codec_is_a_row():
+    """The registry drives the matrix: each registered codec runs here, as its own row or
+    as the hand row of the same codec (REGISTERED_AS, checked to be that codec)."""
+    assert set(registry.names()) <= set(CODECS) | set(REGISTERED_AS)
+    for name, row in REGISTERED_AS.items():
+        if name == "tasq-1bit":  # calibrated: the same TaSQ configuration as the row's
+            continue
+        if name == "kivi-2bit":  # the row uses small groups to fit 4-token blocks and the
+            # 6-token window; the registered groups (32) need a model without windows
+            plain = tiny_config()
+            model = registry.codec_model(make_model(plain, init_params(plain,
+                                                                       jax.random.key(0))),
+                                         name)
+            assert all(type(c.codec) is type(_codec(row)) for c in model.caches)
+            continue
+        assert _registered(name)[1] == (_codec(row), _codec(row)), name
+
+
+@pytest.mark.parametrize("codec_name", [c for c in CODECS if c in ERROR_BOUNDS])
 def test_every_lossy_codec_changes_the_logits_within_its_bound(codec_name):
     """A codec that silently stored float32 (or a wrong codec far off) fails here even
     when all its layouts agree with each other."""

@@ -33,3 +33,19 @@ def test_cli_names_a_non_utf8_prompt(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert "--prompt #2 is not valid UTF-8 text: character 3 is byte 0xe9" in proc.stderr
+
+
+def test_cli_kv_codec_comes_from_the_registry(tmp_path):
+    """--kv_codec takes every registered codec (int8 here) and refuses other names."""
+    config = tiny_config(vocab_size=len(byte_vocab()[0]), head_dim=16)
+    path = write_llama_gguf(tmp_path / "t.gguf", config, init_params(config, jax.random.key(0)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    base = [sys.executable, "-m", "research.serving.cli", f"--gguf={path}", "--nochat",
+            "--prompt=the", "--max_new_tokens=4"]
+    ok = subprocess.run(base + ["--kv_codec=int8"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "### the\n" in ok.stdout
+    bad = subprocess.run(base + ["--kv_codec=int3"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "kv_codec" in bad.stderr and "tasq-1bit" in bad.stderr

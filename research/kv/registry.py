@@ -1,0 +1,141 @@
+"""The KV codec registry: every servable KV codec, registered once by name.
+
+    from research.kv import registry
+    registry.names()                      # ("f32", "bf16", "int8", "tasq-1bit", ...)
+    served = registry.codec_model(model, "int8")
+    served = registry.codec_model(model, "tasq-1bit", calibration=calib)   # calibrated
+
+A codec registers its name, the Transform that installs it in every layer (keeping each
+layer's layout: `research.kv.layouts.replace_codecs`), whether that transform needs
+calibration data, and whether it pages: a codec with per-sequence state beside its pages
+(KIVI's full-precision ring) cannot be served by the engine, whose rows change sequences
+every pass. The server's `--kv_codec` choices, the CLI, the codec x layout matrix test
+and the serving benchmarks read this table, so a new codec is one file (its `KVCodec`)
+plus one `register(...)` call (docs/extending.md walks through one end to end).
+
+Transforms are built lazily (`make(seed)`), so importing the registry imports no
+technique package.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from research.transforms import CalibrationData, Transform, calibrate_and_apply, identity
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """name: the `--kv_codec` value. make(seed) -> the Transform installing the codec.
+    calibrated: `make(seed)` needs CalibrationData. pages: servable from a shared paged
+    pool (no per-sequence state). summary: one line for `--help` and docs."""
+
+    name: str
+    make: Callable[[int], Transform]
+    calibrated: bool
+    pages: bool
+    summary: str
+
+    def __post_init__(self):
+        if not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"a codec name must be a non-empty word, got {self.name!r}")
+
+
+_REGISTRY: dict[str, CodecSpec] = {}
+
+
+def register(spec: CodecSpec, *, replace: bool = False) -> CodecSpec:
+    """Add `spec` (a ValueError if its name is taken, unless `replace`)."""
+    if not isinstance(spec, CodecSpec):
+        raise TypeError(f"register takes a CodecSpec, got {type(spec).__name__}")
+    if spec.name in _REGISTRY and not replace:
+        raise ValueError(f"KV codec {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    get(name)
+    del _REGISTRY[name]
+
+
+def get(name: str) -> CodecSpec:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown KV codec {name!r}; registered: {names()}")
+    return _REGISTRY[name]
+
+
+def names(*, pages: bool | None = None) -> tuple[str, ...]:
+    """Registered codec names, in registration order (`pages=True`: the servable ones)."""
+    return tuple(n for n, s in _REGISTRY.items() if pages is None or s.pages == pages)
+
+
+def codec_model(model, name: str, *, calibration: CalibrationData | None = None,
+                seed: int = 0):
+    """`model` with every layer's KV codec replaced by the registered `name`'s (layouts
+    kept). A calibrated codec needs `calibration` (never the text it is scored on)."""
+    spec = get(name)
+    if spec.calibrated and calibration is None:
+        raise ValueError(f"KV codec {name!r} is calibrated: pass calibration= "
+                         "(research.transforms.CalibrationData)")
+    return calibrate_and_apply(spec.make(seed), model,
+                               calibration if spec.calibrated else None)[0]
+
+
+def served_model(model, tokenizer, name: str, *, seed: int = 0, calibration_seqs: int = 16,
+                 calibration_len: int = 256):
+    """`codec_model` with a calibrated codec calibrated on the calibration split of the
+    embedded corpus (research/data.py), never on text anything is evaluated on: what the
+    server, the CLI and the serving benchmarks serve."""
+    calibration = None
+    if get(name).calibrated:
+        from research import data
+        ids = tokenizer.encode(data.corpus_text("calibration"))
+        calibration = CalibrationData.from_ids(ids, calibration_len, calibration_seqs)
+    return codec_model(model, name, calibration=calibration, seed=seed)
+
+
+# -- the built-in codecs --------------------------------------------------------------------
+def _bf16(seed):
+    from research.model.precision import kv_cache_dtype
+    return kv_cache_dtype("bfloat16")
+
+
+def _int8(seed):
+    from research.kv.quantized import int8_kv
+    return int8_kv()
+
+
+def _tasq(key_space):
+    def make(seed):
+        from research.tasq import TaSQConfig, tasq
+        return tasq(TaSQConfig(bits=1, seed=seed, key_space=key_space))
+    return make
+
+
+def _kivi2(seed):
+    from research.tasq.baselines import kivi_kv
+    return kivi_kv(bits=2)
+
+
+def _sign(seed):
+    from research.tasq.baselines import sign_kv
+    return sign_kv(seed=seed)
+
+
+for _spec in (
+        CodecSpec("f32", lambda seed: identity(), False, True,
+                  "float32 K/V as the model computes them"),
+        CodecSpec("bf16", _bf16, False, True, "bfloat16 K/V (half the bytes)"),
+        CodecSpec("int8", _int8, False, True,
+                  "int8 per (token, KV head) with a float16 scale (8.25 bits/channel)"),
+        CodecSpec("tasq-1bit", _tasq("pre_rope"), True, True,
+                  "TaSQ 1-bit VQ codes, keys before RoPE (the default; calibrated)"),
+        CodecSpec("tasq-1bit-post", _tasq("post_rope"), True, True,
+                  "TaSQ 1-bit VQ codes, keys after RoPE (lookup-table read; calibrated)"),
+        CodecSpec("sign-1bit", _sign, False, True,
+                  "QJL-style sign bits of projected keys and of values"),
+        CodecSpec("kivi-2bit", _kivi2, False, False,
+                  "KIVI 2-bit with a full-precision recent ring (per-sequence state: "
+                  "not servable from shared pages)")):
+    register(_spec)
