@@ -1,7 +1,7 @@
 r"""Peer comparison: servax's server vs llama-cpp-python's OpenAI-compatible server.
 
 Command:   flock /work/bench.lock python -m experiments.run \
-               --config=experiments/serving/peer_llamacpp.py:small
+               --config=experiments/serving/peer_llamacpp.py:small   (or :saturation)
 Needs:     a Python with `llama-cpp-python[server]` (config.peer_python; not a servax
            dependency, so this script is not part of CI or `make test`).
 Hardware:  CPU, the same machine for both servers, one server running at a time.
@@ -40,12 +40,15 @@ def defaults(config) -> dict:
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ["server", "rate", "ok", "mean_out_tokens", "out_tok_s", "req_s", "goodput_req_s",
-           "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms"]
+           "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
+           "load_1min"]
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
+    """small / full: a rate sweep; saturation: offered loads far above either server's
+    capacity (4 to 16 req/s), 32 requests each, so output tok/s is each server's ceiling."""
+    if arg not in ("small", "full", "saturation"):
+        raise ValueError(f"config arg must be 'small', 'full' or 'saturation', got {arg!r}")
     small = arg == "small"
     c = ml_collections.ConfigDict()
     c.experiment = "experiments.serving.peer_llamacpp"
@@ -57,6 +60,8 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.threads = os.cpu_count() or 1
     c.rates = (0.5, 1.0, 2.0) if small else (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
     c.n_requests = 8 if small else 48
+    if arg == "saturation":
+        c.rates, c.n_requests = (4.0, 8.0, 16.0), 32
     c.servax = ml_collections.ConfigDict(dict(
         kv_codec="bf16", n_blocks=128, block_size=16, max_batch=8, max_len=384,
         token_budget=64, prefill_chunk=32, max_queue=1024))
@@ -178,7 +183,8 @@ def run(config, out_dir) -> common.Report:
                     print(f"{name} rate={rate}: {s['ok']}/{s['requests']} ok, "
                           f"{s['out_tok_s']:.1f} tok/s, ttft p50 {s['ttft_p50_ms']:.0f} ms "
                           f"p99 {s['ttft_p99_ms']:.0f} ms {errors}", flush=True)
-                    rows.append({"server": name, "rate": rate, **s})
+                    rows.append({"server": name, "rate": rate, **s,
+                                 "load_1min": round(os.getloadavg()[0], 2)})
                     if errors:
                         extra[f"{name} rate {rate} errors"] = errors
             finally:
@@ -194,7 +200,14 @@ def run(config, out_dir) -> common.Report:
              f"VM); servax {dict(config.servax)}",
              "output tokens are counted as SSE chunks carrying text (both servers send one "
              "token per chunk); each server stops at its own EOS, so mean_out_tokens can differ",
-             f"SLOs: TTFT <= {config.slo.ttft_s} s, TPOT <= {config.slo.tpot_s} s"]
+             f"SLOs: TTFT <= {config.slo.ttft_s} s, TPOT <= {config.slo.tpot_s} s",
+             "load_1min: the machine's 1-minute load average after each rate (2 cores; "
+             "above ~2 other processes shared the CPU with the server under test)"]
+    by = {(r["server"], r["rate"]): r["out_tok_s"] for r in rows}
+    for rate in config.rates:
+        if ("servax", rate) in by and by.get(("llama.cpp", rate)):
+            notes.append(f"rate {rate}: servax / llama.cpp output tok/s = "
+                         f"{by[('servax', rate)] / by[('llama.cpp', rate)]:.2f}x")
     return common.Report(columns=COLUMNS, rows=rows, extra=extra, notes=notes,
                          title="servax vs llama-cpp-python server, same load, same machine",
                          plot=_plot(rows, config.servers))
