@@ -7,7 +7,7 @@ r"""Generate text from the command line.
 """
 from absl import app, flags
 
-from research.kv import registry
+from research.serving import kv_codecs as registry
 
 _GGUF = flags.DEFINE_string("gguf", "", "llama-architecture GGUF file; default: SmolLM2")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "prompt text (repeat for a batch)")
@@ -20,7 +20,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed for sampling")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "params/KV dtype")
 _KV_CODEC = flags.DEFINE_enum(
     "kv_codec", "f32", list(registry.names()),
-    "KV cache codec (research/kv/registry.py; calibrated ones on the corpus's calibration "
+    "KV cache codec (research/serving/kv_codecs.py; calibrated ones on the corpus's calibration "
     "split): " + "; ".join(f"{n}: {registry.get(n).summary}" for n in registry.names()))
 flags.mark_flag_as_required("prompt")
 

@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from research.kv import paged, registry
+from research.kv import paged
 from research.kv.block_allocator import BlockManager
 from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.kv.quantized import Int8Codec
 from research.kv.window import WindowKVCache
 from research.model import forward, init_params, make_model, tiny_config
+from research.serving import kv_codecs as registry
 from research.tasq import TaSQConfig, tasq
 from research.tasq.cq import CQCodec
 from research.tasq.kivi import KIVICodec
@@ -73,7 +74,7 @@ def _codec(name):
 
 HAND_ROWS = ("f32", "bf16", "int8", "sign", "vq", "tasq_post", "cq", "cq_perm", "tasq",
              "kivi")
-# registered codecs (research/kv/registry.py) whose codec a hand row above already is;
+# registered codecs (research/serving/kv_codecs.py) whose codec a hand row above already is;
 # every other registered codec becomes a row of its own, built by its registered
 # transform (calibrated ones on the tiny calibration below): registering a codec is
 # enough for this matrix to run it

@@ -1,4 +1,4 @@
-"""The KV codec registry (research/kv/registry.py): lookups and errors, calibrated codecs,
+"""The KV codec registry (research/serving/kv_codecs.py): lookups and errors, calibrated codecs,
 and a new codec added the documented way (one KVCodec + one registration) running in
 every layout and served by the engine with generate's tokens."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from flax import struct
 
-from research.kv import registry
+from research.serving import kv_codecs as registry
 from research.kv.codec import KVCodec
 from research.kv.layouts import replace_codecs
 from research.kv.paged import paged_kv_cache

@@ -1,9 +1,9 @@
 """The KV codec registry: every servable KV codec, registered once by name.
 
-    from research.kv import registry
+    from research.serving import kv_codecs as registry
     registry.names()                      # ("f32", "bf16", "int8", "tasq-1bit", ...)
-    served = registry.codec_model(model, "int8")
-    served = registry.codec_model(model, "tasq-1bit", calibration=calib)   # calibrated
+    served = kv_codecs.codec_model(model, "int8")
+    served = kv_codecs.codec_model(model, "tasq-1bit", calibration=calib)   # calibrated
 
 A codec registers its name, the Transform that installs it in every layer (keeping each
 layer's layout: `research.kv.layouts.replace_codecs`), whether that transform needs
@@ -13,8 +13,9 @@ every pass. The server's `--kv_codec` choices, the CLI, the codec x layout matri
 and the serving benchmarks read this table, so a new codec is one file (its `KVCodec`)
 plus one `register(...)` call (docs/extending.md walks through one end to end).
 
-Transforms are built lazily (`make(seed)`), so importing the registry imports no
-technique package.
+It lives in research/serving (above research/kv, research/model and the technique
+packages, which it names); transforms are built lazily (`make(seed)`), so importing it
+imports no technique package.
 """
 from __future__ import annotations
 
