@@ -21,13 +21,20 @@ Event semantics (research/serving/engine.py): every request gets exactly one eve
 the event of the token that completed it. `text` increments concatenate to the output
 text (never a partial UTF-8 character, never a tail that may become a stop string).
 `abort` queues an "abort" finish event that the next `step()` returns.
+A request with `prompt_logprobs` gets its prompt's log-probabilities on its first event;
+with max_new_tokens=0 that is its only event (finish "length", no token: a prefill, no
+decode).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort"]
+MAX_LOGPROBS = 20  # alternatives per token the engine can return (OpenAI chat's limit)
 
 
 class QueueFullError(RuntimeError):
@@ -53,6 +60,16 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()  # stop strings (the text up to, not including, the stop)
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids beside the model's EOS
+    # log-probabilities (of the model's raw distribution, before penalties / bias /
+    # temperature): None = off; k = the chosen token's plus the k most likely alternatives
+    logprobs: int | None = None  # per generated token
+    prompt_logprobs: int | None = None  # per prompt token (scoring; max_new_tokens may be 0)
+    # logit processors (vLLM semantics): presence/frequency over the generated tokens,
+    # repetition over prompt + generated (divides positive logits, multiplies negative)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
@@ -61,10 +78,49 @@ class SamplingParams:
             raise RequestError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise RequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            raise RequestError("max_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        lo = 0 if self.prompt_logprobs is not None else 1
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= lo):
+            raise RequestError("max_tokens", f"must be an integer >= {lo}, got "
+                                             f"{self.max_new_tokens!r}")
         if not isinstance(self.seed, int):
             raise RequestError("seed", f"must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(name, f"must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                         f"got {v!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise RequestError(name, f"must be a number in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 < v <= 2.0):
+            raise RequestError("repetition_penalty", f"must be a number in (0, 2], got {v!r}")
+        for item in self.logit_bias:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
+                    and isinstance(item[1], (int, float)) and math.isfinite(item[1])
+                    and -100.0 <= item[1] <= 100.0):
+                raise RequestError("logit_bias", f"must be (token id, bias in [-100, 100]) "
+                                                 f"pairs, got {item!r}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logit processor (penalty, bias) changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays: events compare by identity here
+class TopLogprobs:
+    """Log-probabilities at n positions: the token's own and the K most likely.
+
+    token_logprobs: [n] float32 (NaN where there is none: the first prompt token);
+    top_ids / top_logprobs: [n, K] (K = MAX_LOGPROBS, most likely first)."""
+
+    token_ids: tuple[int, ...]
+    token_logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +141,13 @@ class TokenEvent:
     finish_reason: FinishReason | None = None  # set on the request's last event
     n_prompt_tokens: int = 0
     n_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.logprobs: the log-probability of `token_id` (or of
+    # `stop_token_id`) and the MAX_LOGPROBS most likely (id, logprob) pairs
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    stop_token_id: int | None = None  # the stop token that ended the request (not in text)
+    # with SamplingParams.prompt_logprobs: every prompt token's, on the request's first event
+    prompt_logprobs: TopLogprobs | None = None
 
 
 @dataclasses.dataclass

@@ -55,7 +55,22 @@ What the engine does not do yet:
   sample garbage rather than fail).
 - No priorities or fairness beyond first-come-first-served admission and
   latest-admitted-first preemption; no swapping to host memory (recompute only).
-- No logprobs, n > 1, presence/frequency penalties or beam search.
+- No beam search; n > 1 is n requests (the server's job).
+
+Scoring and logit processors (all off the fast path: a batch with none of them runs the
+same `serve_forward` as before). A request with `prompt_logprobs` (its max_new_tokens may
+be 0: a prefill, no decode) is scheduled, chunked and prefix-cached like any other; its
+prefill chunks run `serve_forward_ext` with logits at every position and return each
+prompt token's log-probability and top MAX_LOGPROBS alternatives. A cached block's K/V
+holds no logits, so the engine keeps those per-token results of every full prompt block
+it scored in a score cache named by the block's chain hash (what the prefix cache names
+the block by): a scoring request adopts the longest run of leading blocks found in both
+caches, less one token (the logits at its last adopted position must be recomputed for
+the next token's score), so a shared few-shot prefix is computed once. Requests with
+`logprobs`, penalties or `logit_bias` run their rows through `serve_forward_ext` too
+(penalty counts and the bias as dense [R, V] arrays; speculative drafts are off in such
+a step). Their programs compile on first use (counted by `metrics().compiles`), unless
+`warmup_scoring=True`.
 - Stop strings are matched on the detokenized text of the generated tokens only (not
   across the prompt boundary).
 """
@@ -74,10 +89,11 @@ import numpy as np
 from research.kv import paged
 from research.kv.block_allocator import OutOfBlocksError
 from research.model.llama import Model, forward
-from research.serving.api import (EngineMetrics, QueueFullError, Request, RequestError,
-                                  SamplingParams, TokenEvent)
+from research.kv.prefix_cache import chain_hashes
+from research.serving.api import (MAX_LOGPROBS, EngineMetrics, QueueFullError, Request,
+                                  RequestError, SamplingParams, TokenEvent, TopLogprobs)
 from research.serving.paged_pool import PagedPool, pow2
-from research.serving.sampling import sample_per_row
+from research.serving.sampling import process_logits, sample_per_row
 
 QUEUED, PREFILLING, DECODING, FINISHED, ABORTED, PREEMPTED = (
     "queued", "prefilling", "decoding", "finished", "aborted", "preempted")
@@ -180,6 +196,11 @@ class _Req:
     n_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
     admitted: int = -1  # admission order (preemption picks the latest)
     cached_blocks: int = 0  # full blocks already named in the prefix cache
+    # prompt scoring (params.prompt_logprobs): per prompt position, filled as chunks run
+    prompt_lp: np.ndarray | None = None  # [n_prompt] float32, NaN until scored
+    prompt_top_ids: np.ndarray | None = None  # [n_prompt, MAX_LOGPROBS] int32
+    prompt_top_lp: np.ndarray | None = None  # [n_prompt, MAX_LOGPROBS] float32
+    prompt_lp_sent: bool = False
 
     @property
     def rid(self) -> str:
@@ -188,6 +209,16 @@ class _Req:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's log-probabilities are still to be computed and sent."""
+        return self.prompt_lp is not None and not self.prompt_lp_sent
+
+    @property
+    def extended(self) -> bool:
+        """Its rows need `serve_forward_ext` (logprobs or logit processors)."""
+        return self.params.logprobs is not None or self.params.processed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +288,8 @@ class ServingEngine:
       `max_len`; warm-up compiles every bucket (log2(max_len / min_read_len) + 1 of them).
     mesh / rules: serve from sharded state on a `jax.sharding.Mesh` (see `PagedPool`:
       tensor / expert parallel; `research.sharding.make_mesh(tensor=...)`).
+    warmup_scoring: also compile the scoring / logprobs / logit-processor programs in
+      `warmup()` (else on first use).
     """
 
     def __init__(self, model: Model, tokenizer, *, n_blocks: int = 256, block_size: int = 16,
@@ -265,7 +298,8 @@ class ServingEngine:
                  max_queue: int = 64, prefix_cache: bool = True, speculative: int = 0,
                  max_ngram: int = 3, stop_token_ids: Sequence[int] | None = None,
                  implementation: str = "auto", interpret: bool = False, warmup: bool = True,
-                 mesh=None, rules=None, min_read_len: int = 128):
+                 mesh=None, rules=None, min_read_len: int = 128,
+                 warmup_scoring: bool = False):
         for name, value in (("max_batch", max_batch), ("token_budget", token_budget),
                             ("prefill_chunk", prefill_chunk), ("max_queue", max_queue),
                             ("max_ngram", max_ngram), ("min_read_len", min_read_len)):
@@ -313,6 +347,10 @@ class ServingEngine:
         self._admissions = 0
         self._preemptions = 0
         self._compiles0 = compile_count()
+        self.warmup_scoring = warmup_scoring
+        # block chain hash -> (token logprobs [bs], top ids [bs, K], top logprobs [bs, K])
+        self._score_cache: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._score_cache_size = n_blocks
         if warmup:
             self.warmup()
 
@@ -454,6 +492,15 @@ class ServingEngine:
                                   np.zeros(rows, np.int32),
                                   np.full((rows, width), -1, np.int32),
                                   [None] * rows, verify=verify, phase=phase)
+                if not self.warmup_scoring or verify:
+                    continue
+                combos = [(sc, pr) for sc in (False, True) for pr in (False, True)
+                          if phase == "prefill" or not sc]
+                for score, process in combos:
+                    self._run_forward_ext(
+                        np.zeros((rows, t), np.int32), np.zeros(rows, np.int32),
+                        np.zeros(rows, np.int32), np.full((rows, width), -1, np.int32),
+                        [None] * rows, phase=phase, score=score, process=process)
         self.pool.warm_copies(pow2(self.max_batch, minimum=8))
         self.step_stats = StepStats()  # warm-up's calls are not serving time
         self._compiles0 = compile_count()
@@ -491,7 +538,11 @@ class ServingEngine:
         m = self.pool.manager
         first = req.state == QUEUED
         blocks = self.pool.prefix_cache.match(req.tokens) if self.pool.prefix_cache else []
+        if req.scoring:
+            blocks = self._adopt_scores(req, blocks)
         n_cached = min(len(blocks) * self.pool.block_size, len(req.tokens) - 1)
+        if req.scoring and n_cached:  # the logits at the last adopted position are needed
+            n_cached -= 1
         blocks = blocks[:-(-n_cached // self.pool.block_size)] if n_cached else []
         req.seq = m.adopt(blocks, n_cached) if blocks else m.new_sequence()
         req.cached_blocks = n_cached // self.pool.block_size
@@ -502,6 +553,32 @@ class ServingEngine:
         if slot is not None:
             self.state.slots[slot] = req.rid
         self._live[req.rid] = req
+
+    def _adopt_scores(self, req: _Req, blocks: list[int]) -> list[int]:
+        """The leading `blocks` whose per-token scores are in the score cache (copied into
+        `req`): a scoring request adopts only K/V whose logits it need not see."""
+        bs = self.pool.block_size
+        hashes = chain_hashes(req.tokens[:len(blocks) * bs], bs)
+        k = 0
+        while k < len(hashes) and hashes[k] in self._score_cache:
+            lp, ids, tops = self._score_cache[hashes[k]]
+            self._score_cache.move_to_end(hashes[k])
+            sl = slice(k * bs, (k + 1) * bs)
+            req.prompt_lp[sl], req.prompt_top_ids[sl], req.prompt_top_lp[sl] = lp, ids, tops
+            k += 1
+        return blocks[:k]
+
+    def _store_scores(self, req: _Req) -> None:
+        """Put the per-token scores of `req`'s full prompt blocks into the score cache."""
+        bs = self.pool.block_size
+        for k, h in enumerate(chain_hashes(req.tokens[:req.n_prompt], bs)):
+            sl = slice(k * bs, (k + 1) * bs)
+            if h not in self._score_cache:
+                self._score_cache[h] = (req.prompt_lp[sl].copy(), req.prompt_top_ids[sl].copy(),
+                                        req.prompt_top_lp[sl].copy())
+            self._score_cache.move_to_end(h)
+        while len(self._score_cache) > self._score_cache_size:
+            self._score_cache.popitem(last=False)
 
     def _prefill_chunks(self, budget: int) -> int:
         """Prefill chunks for prefilling requests (admission order) within `budget`;
@@ -566,11 +643,26 @@ class ServingEngine:
         req.slot = None
         self._live.pop(req.rid, None)
 
-    def _end(self, req: _Req, state: str, token: int | None, text: str, reason: str) -> None:
+    def _end(self, req: _Req, state: str, token: int | None, text: str, reason: str,
+             lp=None, stop_token: int | None = None) -> None:
         self._release(req)
         req.state = state
+        self._emit(req, token, text, reason, lp, stop_token)
+
+    def _emit(self, req: _Req, token: int | None, text: str, reason: str | None, lp=None,
+              stop_token: int | None = None) -> None:
+        """Queue an event; lp = (logprob, top (id, logprob) pairs) of token / stop_token
+        when the request asked for logprobs; the prompt's scores ride on its first."""
+        prompt = None
+        if req.scoring and reason != "abort":
+            prompt = TopLogprobs(tuple(req.tokens[:req.n_prompt]), req.prompt_lp,
+                                 req.prompt_top_ids, req.prompt_top_lp)
+            req.prompt_lp_sent = True
+        logprob = top = None
+        if lp is not None and req.params.logprobs is not None:
+            logprob, top = lp
         self._events.append(TokenEvent(req.rid, token, text, reason, req.n_prompt,
-                                       req.n_cached))
+                                       req.n_cached, logprob, top, stop_token, prompt))
 
     # -- decode -----------------------------------------------------------------------
     def _decode(self, budget: int) -> int:
@@ -585,7 +677,8 @@ class ServingEngine:
         self._last_decode_tokens = 0
         if not live:
             return out
-        drafts = {r.rid: self._draft(r) for r in live}
+        extended = any(r.extended for r in live)
+        drafts = {r.rid: [] if extended else self._draft(r) for r in live}
         spare = budget - len(live) - self._prefill_demand()  # drafts never starve prefill
         for r in live:  # drafts only within the step's token budget
             drafts[r.rid] = drafts[r.rid][:max(0, spare)]
@@ -623,8 +716,12 @@ class ServingEngine:
         for r in live:
             blocks = m.blocks(r.seq)
             table[r.slot, :len(blocks)] = blocks
-        sampled, greedy = self._run_forward(tokens, start, n_new, table, rows, verify=t > 1,
-                                            phase="decode")
+        if extended:
+            sampled, greedy, lps = self._run_forward_ext(tokens, start, n_new, table, rows,
+                                                         phase="decode", score=False)
+        else:
+            sampled, greedy = self._run_forward(tokens, start, n_new, table, rows,
+                                                verify=t > 1, phase="decode")
         for r in live:
             d = drafts[r.rid]
             if d:
@@ -640,7 +737,7 @@ class ServingEngine:
             else:
                 new = [int(sampled[r.slot])]
             out[r.slot] = new
-            self._accept(r, new)
+            self._accept(r, new, [lps[r.slot]] if extended else None)
         self.state.steps += 1
         return out
 
@@ -653,7 +750,7 @@ class ServingEngine:
                    for r in pending)
 
     def _draft(self, req: _Req) -> list[int]:
-        if not self.speculative or req.params.temperature != 0:
+        if not self.speculative or req.params.temperature != 0 or req.extended:
             return []
         room = req.params.max_new_tokens - req.n_generated - 1
         k = min(self.speculative, room, self.max_len - len(req.tokens))
@@ -674,11 +771,22 @@ class ServingEngine:
         table = self.pool.block_table([req.seq for req, _ in rows], r, self._table_width(
             max(len(m.blocks(req.seq)) for req, _ in rows)))
         reqs = [req for req, _ in rows] + [None] * (r - len(rows))
-        sampled, _ = self._run_forward(tokens, start, n_new, table, reqs, verify=False,
-                                       phase="prefill")
+        score = any(req.scoring for req, _ in rows)
+        lps = None
+        if score or any(req.extended for req, _ in rows):
+            sampled, _, lps = self._run_forward_ext(tokens, start, n_new, table, reqs,
+                                                    phase="prefill", score=score)
+        else:
+            sampled, _ = self._run_forward(tokens, start, n_new, table, reqs, verify=False,
+                                           phase="prefill")
         for i, (req, n) in enumerate(rows):
             if m.length(req.seq) == len(req.tokens):  # the whole context is computed
-                self._accept(req, [int(sampled[i])])
+                if req.scoring:
+                    self._store_scores(req)
+                if req.params.max_new_tokens == 0:  # scoring only: a prefill, no decode
+                    self._end(req, FINISHED, None, "", "length")
+                    continue
+                self._accept(req, [int(sampled[i])], [lps[i]] if lps is not None else None)
                 if req.state == PREFILLING and req.slot is not None:
                     self.insert(self._prefix(req), req.slot)
             else:
@@ -716,12 +824,77 @@ class ServingEngine:
         self.step_stats.forward_s += time.perf_counter() - t0
         return sampled, greedy
 
+    def _run_forward_ext(self, tokens, start, n_new, table, reqs, *, phase: str,
+                         score: bool, process: bool | None = None):
+        """`_run_forward` for batches with scoring / logprobs / logit processors: returns
+        (sampled [R], greedy [R, 1], per row (logprob, top pairs) of its sampled token);
+        with `score`, the scoring rows' prompt positions are filled in as a side effect."""
+        rows, t = tokens.shape
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        keys = np.zeros((rows, 2), np.uint32)
+        targets = np.zeros((rows, t), np.int32)
+        if process is None:
+            process = any(r is not None and r.params.processed for r in reqs)
+        v = self.vocab_size
+        proc = None
+        if process:
+            counts = np.zeros((rows, v), np.float32)
+            seen = np.zeros((rows, v), bool)
+            bias = np.zeros((rows, v), np.float32)
+            pen = np.zeros((3, rows), np.float32)
+            pen[2] = 1.0
+        for i, req in enumerate(reqs):
+            if req is None:
+                continue
+            p = req.params
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            if p.temperature > 0:
+                keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
+            if score and req.scoring:  # row i, column j predicts prompt token start+j+1
+                lo, hi = int(start[i]) + 1, min(int(start[i]) + int(n_new[i]) + 1, req.n_prompt)
+                targets[i, :max(0, hi - lo)] = req.tokens[lo:hi]
+            if process and p.processed:
+                end = int(start[i]) + int(n_new[i])  # tokens known before the sampled one
+                out = np.asarray(req.tokens[req.n_prompt:end], np.int64)
+                counts[i] = np.bincount(out, minlength=v)[:v]
+                seen[i, np.asarray(req.tokens[:end], np.int64)] = True
+                for tok, b in p.logit_bias:
+                    bias[i, tok] += b
+                pen[:, i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        if process:
+            proc = (counts, seen, bias, pen[0], pen[1], pen[2])
+        self.step_stats.read_slots += table.size * self.pool.block_size
+        t0 = time.perf_counter()
+        self.pool.pools, out = serve_forward_ext(
+            self._phase_models[phase], self.pool.pools, table, tokens, start, n_new,
+            temperature, top_k, top_p, keys, targets, proc, score=score)
+        out = jax.device_get(out)
+        self.step_stats.forward_s += time.perf_counter() - t0
+        sampled, greedy, lp, top_ids, top_lp = (np.asarray(x) for x in out[:5])
+        if score:
+            tgt_lp, pos_ids, pos_lp = out[5:]
+            for i, req in enumerate(reqs):
+                if req is None or not req.scoring:
+                    continue
+                lo, hi = int(start[i]) + 1, min(int(start[i]) + int(n_new[i]) + 1, req.n_prompt)
+                if hi > lo:
+                    req.prompt_lp[lo:hi] = tgt_lp[i, :hi - lo]
+                    req.prompt_top_ids[lo:hi] = pos_ids[i, :hi - lo]
+                    req.prompt_top_lp[lo:hi] = pos_lp[i, :hi - lo]
+        lps = [(float(lp[i]), tuple(zip(top_ids[i].tolist(), top_lp[i].tolist())))
+               for i in range(rows)]
+        return sampled, greedy, lps
+
     # -- tokens -> events -------------------------------------------------------------
-    def _accept(self, req: _Req, new: list[int]) -> None:
-        """New tokens of `req` in order: stop ids, stop strings, max tokens -> events."""
-        for tok in new:
+    def _accept(self, req: _Req, new: list[int], lps: list | None = None) -> None:
+        """New tokens of `req` in order: stop ids, stop strings, max tokens -> events.
+        lps: per new token, (its logprob, top (id, logprob) pairs), or None."""
+        for j, tok in enumerate(new):
+            lp = lps[j] if lps is not None else None
             if tok in req.stop_ids:
-                self._end(req, FINISHED, None, req.text.flush(), "stop")
+                self._end(req, FINISHED, None, req.text.flush(), "stop", lp, stop_token=tok)
                 return
             req.tokens.append(tok)
             req.n_generated += 1
@@ -729,13 +902,12 @@ class ServingEngine:
             text, stopped = req.text.push(tok)
             self.step_stats.detokenize_s += time.perf_counter() - t0
             if stopped:
-                self._end(req, FINISHED, tok, text, "stop")
+                self._end(req, FINISHED, tok, text, "stop", lp)
                 return
             if req.n_generated >= req.params.max_new_tokens:
-                self._end(req, FINISHED, tok, text + req.text.flush(), "length")
+                self._end(req, FINISHED, tok, text + req.text.flush(), "length", lp)
                 return
-            self._events.append(TokenEvent(req.rid, tok, text, None, req.n_prompt,
-                                           req.n_cached))
+            self._emit(req, tok, text, None, lp)
         self._cache_new_blocks(req)
 
     def _cache_new_blocks(self, req: _Req) -> None:
@@ -781,9 +953,18 @@ class ServingEngine:
         if not all(isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size
                    for t in p.stop_token_ids):
             raise RequestError("stop_token_ids", f"must be integers in [0, {self.vocab_size})")
+        if not all(0 <= t < self.vocab_size for t, _ in p.logit_bias):
+            raise RequestError("logit_bias", f"token ids must be integers in [0, "
+                                             f"{self.vocab_size})")
         tokens = [int(t) for t in ids]
-        return _Req(request, tokens, len(tokens), TextStream(self.tokenizer, p.stop),
-                    frozenset(self.stop_token_ids + tuple(int(t) for t in p.stop_token_ids)))
+        req = _Req(request, tokens, len(tokens), TextStream(self.tokenizer, p.stop),
+                   frozenset(self.stop_token_ids + tuple(int(t) for t in p.stop_token_ids)))
+        if p.prompt_logprobs is not None:
+            n = len(tokens)
+            req.prompt_lp = np.full(n, np.nan, np.float32)
+            req.prompt_top_ids = np.zeros((n, MAX_LOGPROBS), np.int32)
+            req.prompt_top_lp = np.full((n, MAX_LOGPROBS), np.nan, np.float32)
+        return req
 
 
 @functools.partial(jax.jit, static_argnames=("verify",), donate_argnums=(1,))
@@ -803,3 +984,33 @@ def serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, tempe
         last = out.logits
         greedy = jnp.argmax(last, axis=-1).astype(jnp.int32)[:, None]
     return new_pools, sample_per_row(last, temperature, top_k, top_p, key_data), greedy
+
+
+@functools.partial(jax.jit, static_argnames=("score",), donate_argnums=(1,))
+def serve_forward_ext(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
+                      top_k, top_p, key_data, targets, proc, *, score: bool):
+    """`serve_forward` for scoring, logprobs and logit processors (never speculative).
+
+    proc: None, or (counts [R, V], seen [R, V], bias [R, V], presence [R], frequency [R],
+    repetition [R]) for `process_logits`. Returns new pools and (sampled [R], greedy
+    [R, 1], the sampled token's raw logprob [R], top MAX_LOGPROBS ids / logprobs [R, K]),
+    plus with `score` (logprob of `targets` [R, T] at every position, top ids / logprobs
+    [R, T, K]). Logprobs are of the model's raw distribution (before processors)."""
+    states = tuple({**p, paged.TABLE: table} for p in pools)
+    out = forward(model, tokens, cache_states=states, start=start, n_new=n_new,
+                  logits="all" if score else "last")
+    new_pools = tuple(paged.pools_of(s) for s in out.cache_states)
+    rows = jnp.arange(tokens.shape[0])
+    last = out.logits[rows, jnp.maximum(n_new - 1, 0)] if score else out.logits
+    logits = last if proc is None else process_logits(last, *proc)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None]
+    sampled = sample_per_row(logits, temperature, top_k, top_p, key_data)
+    raw = jax.nn.log_softmax(last.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+    result = (sampled, greedy, raw[rows, sampled], top_ids.astype(jnp.int32), top_lp)
+    if score:
+        all_lp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)
+        tgt = jnp.take_along_axis(all_lp, targets[..., None], axis=-1)[..., 0]
+        pos_lp, pos_ids = jax.lax.top_k(all_lp, MAX_LOGPROBS)
+        result += (tgt, pos_ids.astype(jnp.int32), pos_lp)
+    return new_pools, result

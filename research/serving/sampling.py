@@ -153,3 +153,19 @@ def sample_per_row(logits: Float[Array, "B V"], temperature: Float[Array, "B"], 
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(hot.any(), draw, lambda: greedy)
+
+
+def process_logits(logits: Float[Array, "B V"], counts: Float[Array, "B V"], seen: Array,
+                   bias: Float[Array, "B V"], presence: Float[Array, "B"],
+                   frequency: Float[Array, "B"], repetition: Float[Array, "B"]) -> Array:
+    """Per-row logit processors (vLLM / OpenAI semantics), float32 [B, V].
+
+    counts: how often each token was generated so far; seen: tokens in the prompt or the
+    output (bool). Repetition (1 = off) divides a seen token's positive logit and
+    multiplies its negative one; frequency subtracts count x penalty, presence subtracts
+    the penalty once for any generated token; bias is added last (logit_bias)."""
+    logits = logits.astype(jnp.float32)
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    return logits + bias

@@ -3,9 +3,20 @@ r"""OpenAI-compatible HTTP server over the continuous-batching engine.
     python -m research.serving.server --port=8000 --kv_codec=bf16 --n_blocks=512
     servax-serve --port=8000                     # the same, as a console script
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming and
-`usage` incl. `prompt_tokens_details.cached_tokens`), GET /v1/models, GET /health,
-GET /metrics (Prometheus text format, one CollectorRegistry per app).
+Endpoints (research/serving/routers.py; request/response models in protocol.py):
+  POST /v1/completions       prompt: a string, token ids, or a batch of either (one
+                             choice per prompt x n, with its `index`); SSE streaming;
+                             `echo` + `logprobs` (0-20) scores the prompt (with max_tokens
+                             0: one prefill, no decode); `usage` incl. cached_tokens
+  POST /v1/chat/completions  chat template; n; logprobs / top_logprobs
+  both: temperature, top_p, top_k, seed, stop, stop_token_ids, presence_penalty,
+        frequency_penalty, repetition_penalty, logit_bias (per request in the batch)
+  POST /tokenize, POST /detokenize, GET /tokenizer_info   vLLM's shapes
+  GET /v1/models (with max_model_len), GET /health, GET /metrics (Prometheus text format,
+  one CollectorRegistry per app)
+lm-evaluation-harness runs against it as `lm_eval --model local-completions --batch_size 4
+--model_args base_url=http://HOST:PORT/v1/completions,model=NAME,tokenizer_backend=remote,
+max_length=MAX_LEN` (MAX_LEN = --max_len; the full command: tests/serving/test_lm_eval.py).
 
 Threading: one engine thread owns the engine (the api.py contract: every engine method is
 called from one thread). HTTP handlers never touch the engine; they post commands
@@ -14,55 +25,41 @@ queues (`loop.call_soon_threadsafe`). The thread drains commands, runs `engine.s
 while the engine has work and sleeps on an event otherwise.
 
 Errors: malformed JSON, unknown or bad fields, prompt too long -> 400 with an OpenAI-style
-error body whose `param` names the field; unknown model -> 404; engine queue full
-(QueueFullError) -> 429; engine dead -> 503. A client that disconnects (streaming or not)
-has its request aborted, which frees its KV blocks.
+error body whose `param` names the field (fields OpenAI defines that are not implemented,
+e.g. tools, suffix, echo with stream, are refused, never ignored); a body
+nested deeper than 64 levels -> 400, larger than --max_body_bytes -> 413; missing or
+wrong API key (--api_key) -> 401; unknown model -> 404; engine queue full
+(QueueFullError) -> 429; engine dead -> 503. A client that disconnects (streaming or
+not) has its request aborted, which frees its KV blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
+import hmac
 import logging
-import math
 import queue
-import random
 import socket
 import threading
 import time
-import uuid
 from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from research.serving import kv_codecs
 from research.serving.api import (EngineMetrics, QueueFullError, Request, RequestError,
-                                  SamplingParams, TokenEvent)
+                                  TokenEvent)
+from research.serving.protocol import MAX_BODY_BYTES, ApiError
+from research.serving.routers import (EngineDead, ServerState, admin_router, openai_router,
+                                      tokenizer_router)
 
 # latency buckets (seconds) wide enough for a CPU-hosted model under load
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-MAX_STOP_STRINGS = 4  # as OpenAI
 IDLE_WAIT_S = 0.05
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body; `param` names the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type_
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": None}}
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped after an exception; the server answers 503."""
 
 
 # --------------------------------------------------------------------------- engine loop
@@ -280,75 +277,6 @@ def _make_metrics(engine_loop: EngineLoop):
     return registry, ttft, tpot, finished, rejected
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _field(body: dict, name: str, kinds: tuple, default, what: str):
-    if name not in body or body[name] is None:
-        return default
-    value = body[name]
-    if isinstance(value, bool) and bool not in kinds:
-        raise ApiError(400, f"{name} must be {what}, got {value!r}", name)
-    if not isinstance(value, kinds):
-        raise ApiError(400, f"{name} must be {what}, got {type(value).__name__} {value!r}"[:300],
-                       name)
-    return value
-
-
-def _number(body, name, default, lo, hi):
-    v = _field(body, name, (int, float), default, "a number")
-    if not (math.isfinite(v) and lo <= v <= hi):
-        raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {v!r}", name)
-    return float(v)
-
-
-def _stop_list(body) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings",
-                       "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
-                       "stop")
-    return tuple(stop)
-
-
-# fields accepted only at their no-op value: anything else is refused, not ignored
-_NOOP_FIELDS = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None,
-                "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-                "suffix": None, "tools": None, "tool_choice": None, "response_format": None,
-                "parallel_tool_calls": None, "functions": None, "function_call": None}
-_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                  "stream", "stream_options", "user", "stop_token_ids"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"} | set(_NOOP_FIELDS)
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(_NOOP_FIELDS)
-
-
-def _check_fields(body: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise ApiError(400, f"unrecognized request argument(s): {', '.join(unknown)}",
-                       unknown[0])
-    for name, noop in _NOOP_FIELDS.items():
-        value = body.get(name)
-        if value is None or value == noop or (noop is None and value in ({}, [], False)):
-            continue
-        raise ApiError(400, f"{name}={value!r} is not supported by this server "
-                            f"(only {noop!r})"[:300], name)
-
-
-@dataclasses.dataclass
-class Parsed:
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-
-
 # --------------------------------------------------------------------------- the app
 
 
@@ -358,329 +286,67 @@ class ServerConfig:
     max_context: int = 2048  # prompt + max_tokens must fit; the engine may refuse sooner
     default_max_tokens: int = 256  # chat requests without max_tokens
     disconnect_poll_s: float = 0.25  # non-streaming requests check for a gone client
+    api_key: str | None = None  # when set, every endpoint but /health and /metrics
+    #                             wants "Authorization: Bearer <api_key>" (else 401)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
+    max_choices: int = 64  # prompts x n per request (at most the engine's max_queue)
+
+
+OPEN_PATHS = ("/health", "/metrics")
 
 
 def create_app(engine_loop: EngineLoop, tokenizer, config: ServerConfig = ServerConfig()):
-    """The FastAPI app. `engine_loop` must be started by the caller (see `serve_in_thread`)."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    """The FastAPI app: the routers of research/serving/routers.py over one state.
+    `engine_loop` must be started by the caller."""
+    from fastapi.exceptions import RequestValidationError
 
-    app = FastAPI(title="servax", docs_url=None, redoc_url=None)
-    registry, ttft_h, tpot_h, finished_c, rejected_c = _make_metrics(engine_loop)
+    app = FastAPI(title="servax", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = _make_metrics(engine_loop)
+    registry, rejected_c = metrics[0], metrics[4]
+    max_queue = getattr(engine_loop.engine, "max_queue", None)
+    if max_queue is not None and config.max_choices > max_queue:
+        config = dataclasses.replace(config, max_choices=max_queue)
     app.state.engine_loop, app.state.registry = engine_loop, registry
-    created = int(time.time())
-    stop_ids = _default_stop_ids(tokenizer)
+    state = ServerState(engine_loop, tokenizer, config, metrics, _default_stop_ids(tokenizer),
+                        int(time.time()))
+
+    def error(e: ApiError) -> JSONResponse:
+        rejected_c.labels(str(e.status)).inc()
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        rejected_c.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return error(e)
 
-    async def json_body(http: HttpRequest) -> dict:
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}", "body") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, f"request body must be a JSON object, got "
-                                f"{type(body).__name__}", "body")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise ApiError(400, "model must be a non-empty string", "model")
-        if model != config.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves "
-                                f"{config.model_name!r}", "model", "not_found_error")
-        return body
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e):  # not reached by the routers (they parse bodies)
+        return error(ApiError(400, str(e)[:300], None))
 
-    def sampling(body: dict, n_prompt: int, max_tokens_field: str, default_max: int | None,
-                 ) -> tuple[SamplingParams, bool, bool]:
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p == 0.0:
-            raise ApiError(400, "top_p must be in (0, 1], got 0", "top_p")
-        top_k = _field(body, "top_k", (int,), 0, "an integer >= 0")
-        if top_k < 0:
-            raise ApiError(400, f"top_k must be an integer >= 0, got {top_k}", "top_k")
-        seed = _field(body, "seed", (int,), None, "an integer")
-        if seed is None:
-            seed = random.getrandbits(31)
-        elif not -2**63 <= seed < 2**63:
-            raise ApiError(400, f"seed must fit in 64 bits, got {seed}", "seed")
-        extra_stop = _field(body, "stop_token_ids", (list,), [], "a list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool)
-                   and 0 <= t < tokenizer.vocab_size for t in extra_stop):
-            raise ApiError(400, f"stop_token_ids must be token ids in [0, "
-                                f"{tokenizer.vocab_size})", "stop_token_ids")
-        room = config.max_context - n_prompt
-        if room < 1:
-            raise ApiError(400, f"prompt is too long: {n_prompt} tokens, the server's context "
-                                f"is {config.max_context} tokens (prompt + max_tokens)",
-                           "prompt" if "prompt" in body else "messages")
-        max_new = _field(body, max_tokens_field, (int,), None, "an integer >= 1")
-        if max_new is None and max_tokens_field == "max_completion_tokens":
-            max_new = _field(body, "max_tokens", (int,), None, "an integer >= 1")
-            max_tokens_field = "max_tokens"
-        if max_new is None:
-            if default_max is None:  # chat: up to the context, at most the server default
-                max_new = min(config.default_max_tokens, room)
-            else:
-                max_new = default_max
-        if max_new < 1:
-            raise ApiError(400, f"{max_tokens_field} must be an integer >= 1, got {max_new}",
-                           max_tokens_field)
-        if max_new > room:
-            raise ApiError(400, f"{max_tokens_field}={max_new} does not fit: the prompt has "
-                                f"{n_prompt} tokens and the context is {config.max_context} "
-                                f"(at most {room} new tokens)", max_tokens_field)
-        stream = _field(body, "stream", (bool,), False, "a boolean")
-        opts = _field(body, "stream_options", (dict,), {}, "an object")
-        if set(opts) - {"include_usage"}:
-            raise ApiError(400, f"stream_options: unknown keys {sorted(set(opts))}",
-                           "stream_options")
-        if opts and not stream:
-            raise ApiError(400, "stream_options is only allowed with stream=true",
-                           "stream_options")
-        include_usage = _field(opts, "include_usage", (bool,), False, "a boolean")
-        try:
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=seed, max_new_tokens=max_new, stop=_stop_list(body),
-                                    stop_token_ids=tuple(sorted(set(stop_ids) |
-                                                                set(extra_stop))))
-        except RequestError as e:
-            raise ApiError(400, str(e), e.field) from None
-        return params, stream, include_usage
+    @app.exception_handler(404)
+    async def _not_found(http, _):
+        return error(ApiError(404, f"no route {http.method} {http.url.path}", None,
+                              "not_found_error"))
 
-    def parse_completion(body: dict) -> Parsed:
-        _check_fields(body, COMPLETION_FIELDS)
-        if "prompt" not in body:
-            raise ApiError(400, "prompt is required", "prompt")
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError(400, "prompt must not be empty", "prompt")
-            try:
-                ids = tokenizer.encode(prompt)
-            except ValueError as e:
-                raise ApiError(400, f"prompt: {e}", "prompt") from None
-        elif isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
-            if bad:
-                raise ApiError(400, f"prompt token ids {bad[:5]} are outside [0, "
-                                    f"{tokenizer.vocab_size})", "prompt")
-            ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1:
-            raise ApiError(400, f"prompt: batches of {len(prompt)} prompts are not supported; "
-                                f"send one request per prompt", "prompt")
-        else:
-            raise ApiError(400, "prompt must be a non-empty string or a non-empty list of "
-                                "token ids", "prompt")
-        params, stream, include_usage = sampling(body, len(ids), "max_tokens", 16)
-        return Parsed(ids, params, stream, include_usage)
+    @app.exception_handler(405)
+    async def _bad_method(http, _):
+        return error(ApiError(405, f"{http.method} is not allowed on {http.url.path}", None))
 
-    def parse_chat(body: dict) -> Parsed:
-        _check_fields(body, CHAT_FIELDS)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", "messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]")
-            role, content = m.get("role"), m.get("content")
-            if role not in ("system", "user", "assistant"):
-                raise ApiError(400, f"messages[{i}].role must be system, user or assistant, "
-                                    f"got {role!r}", f"messages[{i}].role")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                parts = []
-                for j, part in enumerate(content):
-                    if not (isinstance(part, dict) and part.get("type") == "text"
-                            and isinstance(part.get("text"), str)):
-                        raise ApiError(400, f"messages[{i}].content[{j}] must be "
-                                            f"{{'type': 'text', 'text': str}} (only text)",
-                                       f"messages[{i}].content")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            if not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}].content must be a string",
-                               f"messages[{i}].content")
-            extra = set(m) - {"role", "content", "name"}
-            if extra:
-                raise ApiError(400, f"messages[{i}] has unsupported keys {sorted(extra)}",
-                               f"messages[{i}]")
-            clean.append({"role": role, "content": content})
-        try:
-            ids = encode_chat(tokenizer, clean)
-        except ValueError as e:
-            raise ApiError(400, f"messages: {e}", "messages") from None
-        params, stream, include_usage = sampling(body, len(ids), "max_completion_tokens",
-                                                 None)
-        return Parsed(ids, params, stream, include_usage)
+    if config.api_key:
+        expected = f"Bearer {config.api_key}".encode()
 
-    async def start(request_id: str, parsed: Parsed) -> asyncio.Queue:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        req = Request(request_id, tuple(parsed.prompt_ids), parsed.params,
-                      arrival_time=time.perf_counter())
-        try:
-            await asyncio.wrap_future(engine_loop.submit(req, events, loop))
-        except QueueFullError as e:
-            raise ApiError(429, f"server busy: {e}", None, "rate_limit_error") from None
-        except RequestError as e:
-            raise ApiError(400, str(e), e.field) from None
-        except EngineDead as e:
-            raise ApiError(503, f"engine unavailable: {e}", None, "server_error") from None
-        except asyncio.CancelledError:
-            engine_loop.abort(request_id)
-            raise
-        return events
+        @app.middleware("http")
+        async def _auth(http: HttpRequest, call_next):
+            if http.url.path not in OPEN_PATHS:
+                got = http.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    return error(ApiError(401, "missing or wrong API key: send "
+                                               "'Authorization: Bearer <key>'", None,
+                                          "invalid_request_error", "invalid_api_key"))
+            return await call_next(http)
 
-    class Tracker:
-        """Per-request timing for the TTFT/TPOT histograms and the usage block."""
-
-        def __init__(self, t0: float):
-            self.t0, self.first, self.last, self.n = t0, None, None, 0
-            self.n_prompt = self.n_cached = 0
-
-        def see(self, ev: TokenEvent) -> None:
-            now = time.perf_counter()
-            self.n_prompt = ev.n_prompt_tokens or self.n_prompt
-            self.n_cached = ev.n_cached_prompt_tokens or self.n_cached
-            if ev.token_id is not None:
-                self.n += 1
-                if self.first is None:
-                    self.first = now
-                    ttft_h.observe(now - self.t0)
-                self.last = now
-            if ev.finish_reason is not None:
-                finished_c.labels(ev.finish_reason).inc()
-                if self.n >= 2:
-                    tpot_h.observe((self.last - self.first) / (self.n - 1))
-
-        def usage(self) -> dict:
-            return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n,
-                    "total_tokens": self.n_prompt + self.n,
-                    "prompt_tokens_details": {"cached_tokens": self.n_cached}}
-
-    async def next_event(events: asyncio.Queue) -> TokenEvent:
-        ev = await events.get()
-        if isinstance(ev, BaseException):
-            raise ApiError(503, f"engine failed: {ev}", None, "server_error")
-        return ev
-
-    async def run(http: HttpRequest, parsed: Parsed, kind: str):
-        t0 = time.perf_counter()
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-        events = await start(rid, parsed)
-        tracker = Tracker(t0)
-        if parsed.stream:
-            return StreamingResponse(
-                stream(rid, events, tracker, kind, obj, parsed.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, finish = [], None
-        checked = time.perf_counter()
-        try:
-            while finish is None:
-                try:
-                    ev = await asyncio.wait_for(next_event(events), config.disconnect_poll_s)
-                except asyncio.TimeoutError:
-                    ev = None
-                if time.perf_counter() - checked >= config.disconnect_poll_s:
-                    checked = time.perf_counter()
-                    if await http.is_disconnected():
-                        engine_loop.abort(rid)
-                        finished_c.labels("client_gone").inc()
-                        return PlainTextResponse("", status_code=499)
-                if ev is None:
-                    continue
-                tracker.see(ev)
-                text.append(ev.text)
-                finish = ev.finish_reason
-        except BaseException:
-            engine_loop.abort(rid)
-            raise
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        return {"id": rid, "object": obj, "created": int(time.time()),
-                "model": config.model_name, "choices": [choice], "usage": tracker.usage()}
-
-    async def stream(rid, events, tracker, kind, obj, include_usage):
-        obj_chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        created = int(time.time())
-
-        def chunk(choices, usage=None):
-            d = {"id": rid, "object": obj_chunk, "created": created,
-                 "model": config.model_name, "choices": choices}
-            if include_usage:
-                d["usage"] = usage
-            return f"data: {json.dumps(d)}\n\n"
-
-        done = False
-        try:
-            if kind == "chat":
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "finish_reason": None, "logprobs": None}])
-            while not done:
-                try:
-                    ev = await next_event(events)
-                except ApiError as e:
-                    yield f"data: {json.dumps(e.body())}\n\n"
-                    done = True
-                    return
-                tracker.see(ev)
-                done = ev.finish_reason is not None
-                if not ev.text and not done:
-                    continue
-                if kind == "chat":
-                    delta = {"content": ev.text} if ev.text else {}
-                    choice = {"index": 0, "delta": delta, "finish_reason": ev.finish_reason,
-                              "logprobs": None}
-                else:
-                    choice = {"index": 0, "text": ev.text, "finish_reason": ev.finish_reason,
-                              "logprobs": None}
-                yield chunk([choice])
-            if include_usage:
-                yield chunk([], tracker.usage())
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:  # the client went away (or the server is shutting down)
-                engine_loop.abort(rid)
-                finished_c.labels("client_gone").inc()
-
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
-        return await run(http, parse_completion(await json_body(http)), "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HttpRequest):
-        return await run(http, parse_chat(await json_body(http)), "chat")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model",
-                                            "created": created, "owned_by": "servax",
-                                            "max_model_len": config.max_context}]}
-
-    @app.get("/health")
-    async def health():
-        if not engine_loop.alive:
-            return JSONResponse({"status": "error", "error": repr(engine_loop.error)},
-                                status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(generate_latest(registry),
-                                 headers={"Content-Type": CONTENT_TYPE_LATEST})
-
+    for router in (openai_router(state), tokenizer_router(state), admin_router(state)):
+        app.include_router(router)
     return app
 
 
@@ -758,45 +424,35 @@ class ServerThread:
         self.sock.close()
 
 
-KV_CODECS = ("f32", "bf16", "int8", "tasq-1bit")
-
-
 def kv_codec_model(model, tokenizer, kv_codec: str, *, seed: int = 0,
                    calibration_seqs: int = 16, calibration_len: int = 256):
-    """`model` with its KV cache stored by `kv_codec` (f32 / bf16 / int8 / tasq-1bit).
-
-    tasq-1bit calibrates TaSQ (1 bit per channel, TaSQConfig's default pre-RoPE keys) on
-    the calibration split
-    of the embedded corpus (research/data.py), never on text it is evaluated on."""
-    from research.transforms import CalibrationData, calibrate_and_apply
-    if kv_codec not in KV_CODECS:
-        raise ValueError(f"kv_codec must be one of {KV_CODECS}, got {kv_codec!r}")
-    if kv_codec == "f32":
-        return model
-    if kv_codec == "bf16":
-        from research.model.precision import kv_cache_dtype
-        return calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0]
-    if kv_codec == "int8":
-        from research.tasq import int8_kv
-        return calibrate_and_apply(int8_kv(), model, None)[0]
-    from research import data
-    from research.tasq import TaSQConfig, tasq
-    ids = tokenizer.encode(data.corpus_text("calibration"))
-    cal = CalibrationData.from_ids(ids, calibration_len, calibration_seqs)
-    return calibrate_and_apply(tasq(TaSQConfig(bits=1, seed=seed)), model, cal)[0]
+    """`model` with its KV cache stored by the registered codec `kv_codec`
+    (research/serving/kv_codecs.py: f32, bf16, int8, tasq-1bit, ...); a servable one
+    (pages=True). Calibrated codecs (TaSQ: TaSQConfig's default pre-RoPE keys) calibrate on
+    the calibration split of the embedded corpus (research/data.py), never on text they are
+    evaluated on."""
+    if kv_codec not in kv_codecs.names(pages=True):
+        raise ValueError(f"kv_codec must be one of {kv_codecs.names(pages=True)} (the "
+                         f"registered codecs the engine can serve), got {kv_codec!r}")
+    return kv_codecs.served_model(model, tokenizer, kv_codec, seed=seed,
+                                  calibration_seqs=calibration_seqs,
+                                  calibration_len=calibration_len)
 
 
 def build_engine(model, tokenizer, *, kv_codec: str = "bf16", n_blocks: int = 512,
                  block_size: int = 16, max_batch: int = 8, max_len: int = 1024,
                  max_queue: int = 64, speculative: int = 0, prefix_cache: bool = True,
-                 token_budget: int = 256, prefill_chunk: int = 64, seed: int = 0):
-    """A warmed-up ServingEngine over `model` with KV pages stored by `kv_codec`."""
+                 token_budget: int = 256, prefill_chunk: int = 64, seed: int = 0,
+                 warmup_scoring: bool = False):
+    """A warmed-up ServingEngine over `model` with KV pages stored by `kv_codec`
+    (`warmup_scoring`: also compile the scoring / logprobs / penalty programs up front)."""
     from research.serving.engine import ServingEngine
     served = kv_codec_model(model, tokenizer, kv_codec, seed=seed)
     return ServingEngine(served, tokenizer, n_blocks=n_blocks, block_size=block_size,
                          max_batch=max_batch, max_len=max_len, token_budget=token_budget,
                          prefill_chunk=prefill_chunk, max_queue=max_queue,
-                         prefix_cache=prefix_cache, speculative=speculative)
+                         prefix_cache=prefix_cache, speculative=speculative,
+                         warmup_scoring=warmup_scoring)
 
 
 def main(argv):
@@ -813,10 +469,11 @@ def main(argv):
         max_batch=f.max_batch, max_len=f.max_len, max_queue=f.max_queue,
         speculative=f.speculative_tokens if f.speculative else 0,
         prefix_cache=f.prefix_cache, token_budget=f.token_budget,
-        prefill_chunk=f.prefill_chunk, seed=f.seed)
+        prefill_chunk=f.prefill_chunk, seed=f.seed, warmup_scoring=f.warmup_scoring)
     engine_loop = EngineLoop(engine).start()
     cfg = ServerConfig(model_name=f.model_name, max_context=f.max_len,
-                       default_max_tokens=f.default_max_tokens)
+                       default_max_tokens=f.default_max_tokens, api_key=f.api_key or None,
+                       max_body_bytes=f.max_body_bytes)
     app = create_app(engine_loop, tokenizer, cfg)
     print(f"servax: serving {f.model_name} on http://{f.host}:{f.port} "
           f"(kv_codec={f.kv_codec}, n_blocks={f.n_blocks}, max_batch={f.max_batch}, "
@@ -833,7 +490,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 8000, "TCP port")
     flags.DEFINE_string("gguf", "", "llama-architecture GGUF; default: embedded SmolLM2")
     flags.DEFINE_string("model_name", "SmolLM2-135M-Instruct", "the `model` clients send")
-    flags.DEFINE_enum("kv_codec", "bf16", list(KV_CODECS), "KV-cache page codec")
+    flags.DEFINE_enum("kv_codec", "bf16", list(kv_codecs.names(pages=True)),
+                      "KV-cache page codec (research/serving/kv_codecs.py): " + "; ".join(
+                          f"{n}: {kv_codecs.get(n).summary}"
+                          for n in kv_codecs.names(pages=True)))
     flags.DEFINE_integer("n_blocks", 512, "KV-cache blocks in the pool")
     flags.DEFINE_integer("block_size", 16, "tokens per KV block")
     flags.DEFINE_integer("max_batch", 8, "decode slots (requests running at once)")
@@ -848,6 +508,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("default_max_tokens", 256, "chat max_tokens when a request has none")
     flags.DEFINE_integer("seed", 0, "engine seed")
     flags.DEFINE_string("log_level", "info", "uvicorn log level")
+    flags.DEFINE_string("api_key", "", "if set, require 'Authorization: Bearer <api_key>' "
+                        "(every endpoint but /health and /metrics)")
+    flags.DEFINE_integer("max_body_bytes", MAX_BODY_BYTES, "request bodies above this "
+                         "size get 413")
+    flags.DEFINE_bool("warmup_scoring", True, "compile the scoring / logprobs / penalty "
+                      "programs at start-up (else on their first request)")
 
 
 def run() -> None:

@@ -104,3 +104,25 @@ def test_a_registered_toy_codec_runs_in_every_layout_and_in_the_engine(toy, base
             if e.token_id is not None:
                 got.setdefault(e.request_id, []).append(e.token_id)
     assert [got.get(f"r{i}", []) for i in range(len(prompts))] == want
+
+
+def test_the_server_serves_exactly_the_registered_paging_codecs(toy, base):
+    """--kv_codec's choices are the registry's servable codecs; a codec that cannot page
+    (KIVI's per-sequence ring) is refused by name; a new registration is served."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from research.serving import server
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "research.serving.server", "--kv_codec=int3"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "kv_codec" in proc.stderr
+    builtin = tuple(n for n in registry.names(pages=True) if n != "int4-toy")
+    assert f"one of <{'|'.join(builtin)}>" in proc.stderr, proc.stderr[-600:]
+    served = server.kv_codec_model(base, CharTokenizer(), "int4-toy")
+    assert all(c.codec.describe() == "int4-toy" for c in served.caches)
+    with pytest.raises(ValueError, match="kv_codec must be one of .*got 'kivi-2bit'"):
+        server.kv_codec_model(base, CharTokenizer(), "kivi-2bit")

@@ -165,9 +165,9 @@ def test_chat_content_cannot_inject_control_tokens(server):
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": 3}).encode(), 400,
      "temperature"),
     (json.dumps({"model": MODEL, "prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}).encode(), 400, "n"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "stop": ["a"] * 5}).encode(), 400, "stop"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 2}).encode(), 400, "logprobs"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 0}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "stop": ["a"] * 17}).encode(), 400, "stop"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 21}).encode(), 400, "logprobs"),
     (json.dumps({"model": MODEL, "prompt": "hi", "bogus": 1}).encode(), 400, "bogus"),
     (json.dumps({"model": MODEL, "prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
 ])
