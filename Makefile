@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# writes runs/baseline_small/ and runs/ledger/ (ignored by git): the tree stays clean;
+# `$(PY) -m experiments.commit_run baseline_small` would commit it under results/
 demo: venv
 	$(PY) -m experiments.run --config=experiments/baseline/baseline.py:small
 
@@ -47,4 +49,4 @@ bazel-test: venv
 	  --test_tag_filters=-slow --test_timeout=1800 --test_output=errors //...
 
 clean:
-	rm -rf $(VENV) .pytest_cache results
+	rm -rf $(VENV) .pytest_cache runs

@@ -48,11 +48,21 @@ def versions() -> dict:
     return out
 
 
-# Result files the repository commits (.gitignore un-ignores exactly these under results/);
-# anything else an experiment writes into out_dir (checkpoints, traces) stays ignored.
+# Result files the repository commits (.gitignore un-ignores exactly these under results/;
+# `python -m experiments.commit_run` copies exactly these from a workdir); anything else an
+# experiment writes into out_dir (checkpoints, traces) stays in the workdir.
 COMMITTED_FILES = ("results.json", "table.md", "plot.png")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "results"  # committed runs and ledgers: written by commit_run only
 REQUIRED_KEYS = ("config", "seed", "versions", "git", "command", "elapsed_s")
 MAX_DIRTY_PATHS = 50
+
+
+def default_workdir() -> Path:
+    """Where `experiments.run` writes when no --workdir is given: $SERVAX_WORKDIR, else
+    runs/ in this checkout (ignored by git, so a run leaves the tree clean; per checkout,
+    so two clones never share a workdir ledger)."""
+    return Path(os.environ.get("SERVAX_WORKDIR") or REPO_ROOT / "runs")
 
 
 def git_state(repo: str | Path | None = None) -> dict:

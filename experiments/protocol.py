@@ -9,10 +9,9 @@ scored once with the final defaults. Every experiment module declares
     DEFAULTS_CHOSEN_ON = "<dev command or results dir>"   # where they were chosen
 
 and a config runs on `config.split` ("test" unless a dev sweep says "dev"). When
-`experiments.run` finishes a test run it calls `record_test_scoring`, which updates the
-committed ledger file `<workdir>/ledger/<technique>.json` (workdir: results/ by default)
-and returns the block written into
-results.json["protocol"]:
+`experiments.run` finishes a test run it calls `record_test_scoring`, which appends the
+run to the workdir's ledger `<workdir>/ledger/<technique>.json` and returns the block
+written into results.json["protocol"]:
 
     {"technique", "split", "run_name", "defaults", "defaults_fingerprint",
      "defaults_chosen_on", "test_scorings": n}
@@ -26,6 +25,14 @@ The item ledger (below; docs/protocol.md "The item ledger"): every test item a r
 whatever its name or defaults, in `<workdir>/ledger/items_<technique>.json`, declared by
 `begin_test_run` before the run scores anything (from the module's `test_items(config)`)
 and completed after; results.json["protocol"]["items"] says how many were re-scored.
+
+Two ledger folders (docs/protocol.md "Using it"): the committed ledger LEDGER_DIR
+(results/ledger/, read only during a run) and a workdir's ledger (`<workdir>/ledger/`,
+where a run writes). A run's counts are those of both together (`base_ledger_dir` = the
+committed one): the workdir holds only the records made there, each with an id, and
+`merge_ledgers` (what `python -m experiments.commit_run` calls) adds them to the committed
+ledger; merging is idempotent (records are matched by id), so a workdir can be merged again
+after more runs.
 """
 from __future__ import annotations
 
@@ -89,12 +96,52 @@ def read_ledger(technique: str, ledger_dir: Path | str | None = None) -> dict:
     return ledger
 
 
+def _other_dir(ledger_dir, base_ledger_dir) -> Path | None:
+    """`base_ledger_dir` unless it is None or the folder written to itself."""
+    if base_ledger_dir is None:
+        return None
+    base = Path(base_ledger_dir).resolve()
+    return None if base == Path(ledger_dir or LEDGER_DIR).resolve() else base
+
+
+def _run_key(run: dict):
+    return run.get("id") or (run.get("commit"), run.get("utc"))
+
+
+def merge_entry(base: dict | None, delta: dict) -> dict:
+    """A run ledger entry (one run name) of `base`'s records followed by `delta`'s: the
+    runs of `delta` not already in `base` (by id) are appended and counted when both have
+    the same defaults fingerprint; a different fingerprint in `delta` (defaults changed
+    since) replaces `base`, as `record_test_scoring` restarts the count."""
+    delta = json.loads(json.dumps(delta))
+    if base is None or base.get("defaults_fingerprint") != delta["defaults_fingerprint"]:
+        return delta
+    out = json.loads(json.dumps(base))
+    seen = {_run_key(r) for r in out["runs"]}
+    new = [r for r in delta["runs"] if _run_key(r) not in seen]
+    out["runs"] += new
+    out["test_scorings"] += len(new)
+    out["defaults_chosen_on"] = delta.get("defaults_chosen_on", out.get("defaults_chosen_on"))
+    return out
+
+
+def _write_json(path: Path, obj: dict, indent: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=indent, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
 def record_test_scoring(technique: str, run_name: str, defaults: dict, *,
                         chosen_on: str, commit: str | None = None,
-                        ledger_dir: Path | str | None = None) -> dict:
+                        ledger_dir: Path | str | None = None,
+                        base_ledger_dir: Path | str | None = None,
+                        run_id: str | None = None) -> dict:
     """Count one scoring of `run_name`'s test split with `defaults`; returns the protocol
     block for results.json. The count restarts at 1 when the defaults' fingerprint differs
-    from the one recorded for this split."""
+    from the one recorded for this split. The run is written to `ledger_dir`; the count
+    also holds `base_ledger_dir`'s records (the committed ledger, when `ledger_dir` is a
+    workdir's: `merge_entry`). `run_id` names the record (the item ledger's scoring id)."""
     if not chosen_on:
         raise ValueError(f"{technique}: chosen_on must say where the defaults were chosen "
                          "(a dev command or results dir)")
@@ -106,12 +153,13 @@ def record_test_scoring(technique: str, run_name: str, defaults: dict, *,
                  "defaults_chosen_on": chosen_on, "test_scorings": 0, "runs": []}
     entry["test_scorings"] += 1
     entry["defaults_chosen_on"] = chosen_on
-    entry["runs"].append({"commit": commit, "utc": datetime.datetime.now(
-        datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
+    entry["runs"].append({"commit": commit, "id": run_id or uuid.uuid4().hex,
+                          "utc": _now()})
     ledger["splits"][run_name] = entry
-    path = ledger_path(technique, ledger_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ledger, indent=2, sort_keys=True) + "\n")
+    _write_json(ledger_path(technique, ledger_dir), ledger, indent=2)
+    base = _other_dir(ledger_dir, base_ledger_dir)
+    if base is not None:
+        entry = merge_entry(read_ledger(technique, base)["splits"].get(run_name), entry)
     return {"technique": technique, "split": "test", "run_name": run_name,
             "defaults": entry["defaults"], "defaults_fingerprint": fp,
             "defaults_chosen_on": chosen_on, "test_scorings": entry["test_scorings"]}
@@ -134,7 +182,9 @@ def validate(module, config) -> str:
 
 
 def protocol_block(module, config, *, commit: str | None = None,
-                   ledger_dir: Path | str | None = None) -> dict:
+                   ledger_dir: Path | str | None = None,
+                   base_ledger_dir: Path | str | None = None,
+                   run_id: str | None = None) -> dict:
     """What `experiments.run` writes into results.json["protocol"] for `module`'s run.
 
     A test run (config.split == "test", the default) is counted in the ledger; a dev run
@@ -149,7 +199,8 @@ def protocol_block(module, config, *, commit: str | None = None,
                 "test_scorings": None}
     return record_test_scoring(module.TECHNIQUE, config.run_name, defaults,
                                chosen_on=module.DEFAULTS_CHOSEN_ON, commit=commit,
-                               ledger_dir=ledger_dir)
+                               ledger_dir=ledger_dir, base_ledger_dir=base_ledger_dir,
+                               run_id=run_id)
 
 
 # -- the item ledger: every scored test item, whatever the run's name or fingerprint -------
@@ -294,11 +345,36 @@ def read_item_ledger(technique: str, ledger_dir: Path | str | None = None) -> di
     return ledger
 
 
-def item_ledgers(ledger_dir: Path | str | None = None) -> list[dict]:
-    """Every technique's item ledger in `ledger_dir`."""
+def merge_item_ledger(base: dict, delta: dict) -> dict:
+    """`base`'s items and records plus `delta`'s (one technique): a record of `delta` with
+    an id already in `base` replaces it (a "started" record completed since), the others
+    are appended."""
+    out = json.loads(json.dumps(base))
+    for key, item in delta["items"].items():
+        out["items"].setdefault(key, item)
+    index = {r["id"]: i for i, r in enumerate(out["scorings"])}
+    for rec in delta["scorings"]:
+        if rec["id"] in index:
+            out["scorings"][index[rec["id"]]] = rec
+        else:
+            out["scorings"].append(rec)
+    return out
+
+
+def item_ledgers(ledger_dir: Path | str | None = None,
+                 base_ledger_dir: Path | str | None = None) -> list[dict]:
+    """Every technique's item ledger in `ledger_dir` (with `base_ledger_dir`'s records
+    merged in first when given: `merge_item_ledger`)."""
     d = Path(ledger_dir or LEDGER_DIR)
-    return [read_item_ledger(p.stem[len(ITEM_LEDGER_PREFIX):], d)
-            for p in sorted(d.glob(f"{ITEM_LEDGER_PREFIX}*.json"))]
+    dirs = [b for b in (_other_dir(d, base_ledger_dir),) if b is not None] + [d]
+    out: dict[str, dict] = {}
+    for folder in dirs:
+        for p in sorted(folder.glob(f"{ITEM_LEDGER_PREFIX}*.json")):
+            technique = p.stem[len(ITEM_LEDGER_PREFIX):]
+            ledger = read_item_ledger(technique, folder)
+            out[technique] = (merge_item_ledger(out[technique], ledger)
+                              if technique in out else ledger)
+    return [out[t] for t in sorted(out)]
 
 
 @contextlib.contextmanager
@@ -328,17 +404,18 @@ SCORED, LOAD = "scored", "load"  # a record's use of its items (module TEST_ITEM
 
 
 def prior_counts(items: list[Item], ledger_dir: Path | str | None = None,
-                 exclude: str | None = None, use: str = SCORED) -> list[dict]:
+                 exclude: str | None = None, use: str = SCORED,
+                 base_ledger_dir: Path | str | None = None) -> list[dict]:
     """Per item {"prior": n, "by_technique": {technique: n}}: how many earlier records of
     `use` hold the item or an item overlapping it (a shared chunk), in every technique's
     item ledger. "scored": runs that measured quality or accuracy on the item; "load":
     runs that used it only as a workload (serving speed, routing traces), counted apart so
     a throughput run does not mark every quality number re-scored. A record's `count`
     (default 1) is the number of scorings it stands for (seeded history). `exclude`: a
-    scoring id to skip."""
+    scoring id to skip. `base_ledger_dir`: the committed ledger, read with a workdir's."""
     by_key: dict[str, list] = {}
     by_chunk: dict[str, list] = {}
-    for ledger in item_ledgers(ledger_dir):
+    for ledger in item_ledgers(ledger_dir, base_ledger_dir):
         t = ledger["technique"]
         for rec in ledger["scorings"]:
             if (rec.get("id") == exclude or not rec.get("items")
@@ -400,20 +477,25 @@ class Declaration:
 def declare_test_items(technique: str, run_name: str, items: list[Item], *,
                        defaults_fingerprint: str | None = None, commit: str | None = None,
                        ledger_dir: Path | str | None = None,
-                       use: str = SCORED) -> Declaration:
+                       use: str = SCORED,
+                       base_ledger_dir: Path | str | None = None) -> Declaration:
     """Record that `run_name` of `technique` is about to score `items` (status "started",
     written now, before any scoring) and return, per item, how many times it (or an item
     overlapping it) was scored before anywhere. Call `complete_test_items` after.
-    use: SCORED (quality/accuracy is measured on the items) or LOAD (`prior_counts`)."""
+    use: SCORED (quality/accuracy is measured on the items) or LOAD (`prior_counts`).
+    The record goes to `ledger_dir`; prior counts also read `base_ledger_dir` (read only)."""
     if not items:
         raise ValueError(f"{technique}/{run_name}: a test run must declare its test items")
     if use not in (SCORED, LOAD):
         raise ValueError(f"use must be {SCORED!r} or {LOAD!r}, got {use!r}")
     items = list({i.key: i for i in items}.values())  # one per content
     with _locked(ledger_dir):
-        counts = prior_counts(items, ledger_dir)
-        load = prior_counts(items, ledger_dir, use=LOAD)
+        counts = prior_counts(items, ledger_dir, base_ledger_dir=base_ledger_dir)
+        load = prior_counts(items, ledger_dir, use=LOAD, base_ledger_dir=base_ledger_dir)
         ledger = read_item_ledger(technique, ledger_dir)
+        base = _other_dir(ledger_dir, base_ledger_dir)
+        history = (merge_item_ledger(read_item_ledger(technique, base), ledger)
+                   if base is not None else ledger)
         for i in items:
             ledger["items"].setdefault(i.key, i.to_json())
         sid = f"{_now()}-{uuid.uuid4().hex[:8]}"
@@ -422,7 +504,7 @@ def declare_test_items(technique: str, run_name: str, items: list[Item], *,
             "completed_utc": None, "defaults_fingerprint": defaults_fingerprint,
             "commit": commit, "use": use, "items": [i.key for i in items]})
         _write_item_ledger(ledger, ledger_dir)
-    unlisted = [r for r in ledger["scorings"] if not r.get("items")]
+    unlisted = [r for r in history["scorings"] if not r.get("items")]
     return Declaration(technique, run_name, sid, items, [c["prior"] for c in counts],
                        [c["by_technique"].get(technique, 0) for c in counts], unlisted,
                        [c["by_technique"] for c in counts], [c["prior"] for c in load], use)
@@ -503,7 +585,8 @@ def rescored_line(items_block: dict | None) -> str:
 
 
 def begin_test_run(module, config, *, commit: str | None = None,
-                   ledger_dir: Path | str | None = None) -> Declaration | None:
+                   ledger_dir: Path | str | None = None,
+                   base_ledger_dir: Path | str | None = None) -> Declaration | None:
     """Before a test run scores anything: list its items and declare them (None for a dev
     run). Called by `experiments.run`; the record stays "started" if the run aborts."""
     if validate(module, config) != "test":
@@ -512,7 +595,8 @@ def begin_test_run(module, config, *, commit: str | None = None,
                               list_test_items(module, config),
                               defaults_fingerprint=fingerprint(module.defaults(config)),
                               commit=commit, ledger_dir=ledger_dir,
-                              use=getattr(module, "TEST_ITEMS_USE", SCORED))
+                              use=getattr(module, "TEST_ITEMS_USE", SCORED),
+                              base_ledger_dir=base_ledger_dir)
 
 
 def annotate_report(report, items_block: dict | None) -> None:
@@ -539,6 +623,47 @@ def overlaps(a: list[Item], b: list[Item]) -> list[tuple[Item, Item]]:
         if y is not None:
             out.append((x, y))
     return out
+
+
+# -- committing a workdir's ledger records -----------------------------------------------
+
+def merge_ledgers(src_dir: Path | str, dst_dir: Path | str | None = None) -> list[str]:
+    """Add every record of the ledgers in `src_dir` (a workdir's `ledger/`) to those in
+    `dst_dir` (the committed results/ledger/ by default): run ledgers by `merge_entry`,
+    item ledgers by `merge_item_ledger`. Every record goes, whatever run it belongs to (an
+    aborted or uncommitted run's scorings count all the same); records already merged are
+    matched by id, so merging again adds nothing. Returns a log of what changed."""
+    src, dst = Path(src_dir), Path(dst_dir or LEDGER_DIR)
+    if _other_dir(dst, src) is None:
+        return []
+    log = []
+    with _locked(dst):
+        for path in sorted(src.glob("*.json")):
+            if path.name.startswith(ITEM_LEDGER_PREFIX):
+                technique = path.stem[len(ITEM_LEDGER_PREFIX):]
+                old = read_item_ledger(technique, dst)
+                new = merge_item_ledger(old, read_item_ledger(technique, src))
+                if new != old:
+                    _write_item_ledger(new, dst)
+                    log.append(f"{item_ledger_path(technique, dst)}: "
+                               f"{len(new['scorings']) - len(old['scorings'])} new record(s), "
+                               f"{len(new['items']) - len(old['items'])} new item(s)")
+                continue
+            technique = path.stem
+            old = read_ledger(technique, dst)
+            new = json.loads(json.dumps(old))
+            for run_name, entry in read_ledger(technique, src)["splits"].items():
+                new["splits"][run_name] = merge_entry(old["splits"].get(run_name), entry)
+            if new != old:
+                _write_json(ledger_path(technique, dst), new, indent=2)
+                for run_name, entry in new["splits"].items():
+                    before = old["splits"].get(run_name) or {}
+                    if entry != before:
+                        log.append(f"{ledger_path(technique, dst)}: {run_name} test_scorings "
+                                   f"{before.get('test_scorings', 0)} -> "
+                                   f"{entry['test_scorings']} (defaults "
+                                   f"{entry['defaults_fingerprint']})")
+    return log
 
 
 # -- seeding the item ledger with what was scored before it existed ------------------------

@@ -7,6 +7,12 @@ The config file's `get_config(arg)` returns an ml_collections ConfigDict whose
 `out_dir = <workdir>/<config.run_name>/`: results.json, table.md, plot.png, plus any
 artifacts the experiment writes there (checkpoints, traces); the table is printed.
 Global JAX settings (x64, matmul precision, host device count) are set here only.
+
+The workdir (--workdir; default $SERVAX_WORKDIR, else runs/ in this checkout, ignored by
+git) also holds the run's ledger records, `<workdir>/ledger/`: a test run's counts read
+the committed ledger (--ledger_base, results/ledger/) and the workdir's together, and the
+run writes to the workdir's only. Nothing under results/ changes; committing a run there is
+its own step, `python -m experiments.commit_run <run_name>` (docs/protocol.md).
 """
 from __future__ import annotations
 
@@ -23,7 +29,13 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file[:arg]",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "results", "where result folders are written")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "where the result folder <workdir>/<run_name>/ and the run's ledger "
+    "records <workdir>/ledger/ are written (default: $SERVAX_WORKDIR, else runs/ in this "
+    "checkout, ignored by git); `python -m experiments.commit_run` copies a run to results/")
+_LEDGER_BASE = flags.DEFINE_string(
+    "ledger_base", None, "the committed ledger whose records count as prior scorings (read "
+    "only; default results/ledger/ of this checkout; 'none' counts the workdir's alone)")
 _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices", None, "simulate this many CPU devices (XLA host platform); "
     "defaults to config.host_devices when the config has it")
@@ -100,15 +112,21 @@ def main(argv) -> None:
     module = importlib.import_module(config.experiment)
     protocol.validate(module, config)  # the dev/test protocol: refuse before running
     logging.info("running %s (%s)", config.run_name, config.experiment)
-    out_dir = Path(_WORKDIR.value) / config.run_name
+    workdir = Path(_WORKDIR.value) if _WORKDIR.value else common.default_workdir()
+    out_dir = workdir / config.run_name
     out_dir.mkdir(parents=True, exist_ok=True)
     git = common.git_state()  # before the run: the code that runs, not edits made meanwhile
     command = ["python", "-m", "experiments.run", *sys.argv[1:]]  # not this machine's path
-    # the ledgers live beside the result folders: results/ledger/<technique>.json (runs)
-    # and results/ledger/items_<technique>.json (test items, written before scoring)
-    ledger_dir = Path(_WORKDIR.value) / "ledger"
+    # the run's ledger records go beside its result folder: <workdir>/ledger/<technique>.json
+    # (runs) and items_<technique>.json (test items, written before scoring); the committed
+    # ledger (results/ledger/) is read for the prior counts, never written
+    ledger_dir = workdir / "ledger"
+    base = _LEDGER_BASE.value
+    base_ledger_dir = (None if base == "none" else Path(base) if base
+                       else protocol.LEDGER_DIR)
     declared = protocol.begin_test_run(module, config, commit=git.get("commit"),
-                                       ledger_dir=ledger_dir)
+                                       ledger_dir=ledger_dir,
+                                       base_ledger_dir=base_ledger_dir)
     if declared is not None:
         logging.info("declared %d test items (%d scored before)", len(declared.items),
                      sum(p > 0 for p in declared.prior))
@@ -117,8 +135,10 @@ def main(argv) -> None:
     elapsed = time.perf_counter() - t0
     if declared is not None:
         protocol.complete_test_items(declared, ledger_dir=ledger_dir)
-    block = protocol.protocol_block(module, config, commit=git.get("commit"),
-                                    ledger_dir=ledger_dir)
+    block = protocol.protocol_block(
+        module, config, commit=git.get("commit"), ledger_dir=ledger_dir,
+        base_ledger_dir=base_ledger_dir,
+        run_id=declared.scoring_id if declared is not None else None)
     block["items"] = declared.block("completed") if declared is not None else None
     protocol.annotate_report(report, block["items"])
     common.write_results(report, out_dir, config.to_dict(), config.seed, command, elapsed,
@@ -128,6 +148,10 @@ def main(argv) -> None:
           + f" in {elapsed:.0f}s; {block['split']} split of {block['technique']}"
           + (f", test scorings with these defaults: {block['test_scorings']}; "
              + protocol.rescored_line(block["items"]) if block["split"] == "test" else ""))
+    if out_dir.resolve().parent != common.RESULTS_DIR.resolve():
+        flag = "" if workdir == common.default_workdir() else f" --workdir={workdir}"
+        print(f"results/ is unchanged; to commit this run there (with its ledger records): "
+              f"python -m experiments.commit_run {config.run_name}{flag}")
 
 
 if __name__ == "__main__":

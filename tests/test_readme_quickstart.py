@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -87,8 +88,17 @@ def test_readme_flags_exist():
     # every flag the "Try it" section names belongs to the CLI or the server
     both = defined_flags("research/serving/cli.py") | defined_flags("research/serving/server.py")
     section = README[README.index("## Try it"):README.index("## Results")]
+    harness = [b for b in code_blocks("bash") if "lm_eval" in b]
+    for block in harness:  # lm-eval's own flags: checked against its `run --help` below
+        section = section.replace(block, "")
     for name in set(re.findall(r"--(\w+)", section)):
         assert name in both or name.startswith("no") and name[2:] in both, f"--{name}"
+    assert len(harness) == 1, "expected one lm_eval command in README.md"
+    lm_eval = shutil.which("lm_eval") or str(Path(sys.executable).parent / "lm_eval")
+    help_text = subprocess.run([lm_eval, "run", "--help"], capture_output=True, text=True,
+                               timeout=300).stdout
+    for name in set(re.findall(r"--(\w+)", harness[0])):
+        assert f"--{name}" in help_text, f"README passes --{name} to lm_eval, which lacks it"
     name = ServerConfig().model_name
     assert name == "SmolLM2-135M-Instruct"
     assert f'"model": "{name}"' in " ".join(readme_curl())

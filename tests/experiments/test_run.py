@@ -24,12 +24,16 @@ def tiny_gguf(tmp_path_factory):
     return path, text
 
 
-def _run(workdir, *overrides):
-    cmd = [sys.executable, "-m", "experiments.run",
-           "--config=experiments/baseline/baseline.py:small", f"--workdir={workdir}",
-           *overrides]
+def _run_config(config, workdir, *overrides):
+    """`python -m experiments.run --config=<config> --workdir=<workdir> <overrides>`."""
+    cmd = [sys.executable, "-m", "experiments.run", f"--config={config}",
+           f"--workdir={workdir}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _run(workdir, *overrides):
+    return _run_config("experiments/baseline/baseline.py:small", workdir, *overrides)
 
 
 def _tiny_overrides(tiny_gguf):
@@ -42,8 +46,9 @@ def _tiny_overrides(tiny_gguf):
 
 def test_baseline_runs_and_is_reproducible(tmp_path, tiny_gguf):
     runs = []
-    for i in range(2):
-        proc = _run(tmp_path / f"w{i}", *_tiny_overrides(tiny_gguf))
+    for i in range(2):  # w1 counts its own ledger alone (--ledger_base=none)
+        isolated = ["--ledger_base=none"] if i else []
+        proc = _run(tmp_path / f"w{i}", *_tiny_overrides(tiny_gguf), *isolated)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out = tmp_path / f"w{i}" / "baseline_small"
         assert (out / "table.md").read_text().startswith("# servax baseline")
@@ -53,9 +58,15 @@ def test_baseline_runs_and_is_reproducible(tmp_path, tiny_gguf):
     assert r["versions"]["jax"] == jax.__version__
     assert r["command"].startswith("python -m experiments.run --config=")  # no local path
     assert len(r["git"]["commit"]) == 40 and isinstance(r["git"]["dirty"], bool)
-    # the dev/test protocol: a test run, counted once in its own workdir's ledger
+    # the dev/test protocol: a test run, written once to its workdir's ledger and counted
+    # after the committed ledger's scorings of the same run name and defaults
     assert r["protocol"]["technique"] == "baseline" and r["protocol"]["split"] == "test"
-    assert r["protocol"]["test_scorings"] == 1
+    from experiments import protocol
+    committed = protocol.read_ledger("baseline")["splits"].get("baseline_small")
+    prior = (committed["test_scorings"] if committed and committed["defaults_fingerprint"]
+             == r["protocol"]["defaults_fingerprint"] else 0)
+    assert r["protocol"]["test_scorings"] == prior + 1
+    assert runs[1]["protocol"]["test_scorings"] == 1
     ledger = json.loads((tmp_path / "w0" / "ledger" / "baseline.json").read_text())
     assert ledger["splits"]["baseline_small"]["test_scorings"] == 1
     assert [row["perplexity"] for row in r["rows"]] == [row["perplexity"]

@@ -8,23 +8,28 @@ on held-out windows at tokens 4096 and 8333 of the whole held-out text; see
 experiments/patchkv/README.md.) Continuation perplexity only (retrieval is 8 questions:
 too coarse to tune on).
 
-    python -m experiments.patchkv.dev.sweep --settings base,t07,gen32 [--contexts 2]
+    python -m experiments.run --config=experiments/patchkv/dev/sweep.py \
+        --config.settings=base,t07,gen32 [--config.contexts=2] [--config.offset=0] \
+        [--config.tasq=False] [--config.only=snapkv@0.1,tasq-1bit]
 
-Prints one JSON line per (setting, context, compression) and a gap-closed table
-(pooled over the dev contexts: ppl = exp(total NLL / total tokens)).
+A dev run of `experiments.run` (config.split = "dev": recorded as such in
+results.json["protocol"], never counted in the test ledgers), written to
+`<workdir>/patchkv_dev_sweep/`: one row per (setting, context, compression) (also printed
+as a JSON line as it goes) and a gap-closed table (pooled over the dev contexts:
+ppl = exp(total NLL / total tokens)).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 
+import ml_collections
 import numpy as np
 
+from experiments import common
 from experiments.patchkv import experiment as ex
-from experiments.patchkv.patchkv import get_config
+from experiments.patchkv.patchkv import get_config as patchkv_config
 from research import data
 from research.model import load
 from research.patchkv import (DEV_QUERY_SCALES, DEV_STRENGTHS, ContextCache, ProbeConfig,
@@ -113,43 +118,85 @@ def ridge_config(selection: str, baseline: bool = False) -> RidgeConfig:
     return RidgeConfig(selection=selection)
 
 
-def load_small():
-    """(small config, the embedded model, its tokenizer, token ids of the dev half of the
-    held-out prose): what every dev script starts from."""
-    model, tok = load(None)
-    return get_config("small"), model, tok, tok.encode(data.corpus_text("dev"))
+def load_small(gguf_path: str | None = None):
+    """(small config, the model (the embedded SmolLM2 by default), its tokenizer, token ids
+    of the dev half of the held-out prose): what every dev script starts from."""
+    model, tok = load(gguf_path or None)
+    config = patchkv_config("small")
+    if gguf_path:
+        config.gguf_path = gguf_path
+    return config, model, tok, tok.encode(data.corpus_text("dev"))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--settings", default="base")
-    ap.add_argument("--contexts", type=int, default=2)
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--no-tasq", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated compressions to run "
-                    "(e.g. tasq-1bit, snapkv); default: all of the config's")
-    args = ap.parse_args(argv)
-    config, model, tok, dev_ids = load_small()
+# the dev/test protocol (experiments/protocol.py): a dev sweep, where defaults are chosen
+TECHNIQUE = "patchkv"
+DEFAULTS_CHOSEN_ON = ("this dev sweep chooses them: python -m experiments.run "
+                      "--config=experiments/patchkv/dev/sweep.py")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The sweep's config; the PatchKV config it starts from is patchkv.py's "small"."""
+    if arg:
+        raise ValueError(f"the sweep's config takes no argument (got {arg!r}); override "
+                         "its fields with --config.<field>=...")
+    c = ml_collections.ConfigDict()
+    c.experiment = "experiments.patchkv.dev.sweep"
+    c.run_name = "patchkv_dev_sweep"
+    c.split = "dev"  # a dev sweep only: `test_items` refuses the test split
+    c.seed = 0
+    c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
+    c.settings = "base"  # comma-separated names of SETTINGS
+    c.contexts = 2
+    c.offset = 0
+    c.tasq = True  # False: no TaSQ quantizers (no calibration)
+    c.only = ""  # comma-separated compressions to run (e.g. tasq-1bit, snapkv); "" = all
+    return c
+
+
+def defaults(config) -> dict:
+    """The PatchKV defaults the sweep starts from and the settings it tries (a dev run:
+    recorded in results.json, counted nowhere)."""
+    names = [n for n in config.settings.split(",") if n]
+    unknown = sorted(set(names) - set(SETTINGS))
+    if unknown or not names:
+        raise ValueError(f"config.settings: unknown {unknown}; expected some of "
+                         f"{sorted(SETTINGS)}")
+    return {"patchkv": ex.defaults(patchkv_config("small")), "settings": names}
+
+
+def test_items(config):
+    raise ValueError(f"{config.experiment} is a dev sweep: config.split must be 'dev'")
+
+
+COLUMNS = ["setting", "ctx", "comp", "ppl", "attn_err"]
+
+
+def run(sweep, out_dir) -> common.Report:
+    del out_dir  # nothing beyond the result files
+    if sweep.split != "dev":
+        test_items(sweep)
+    names = defaults(sweep)["settings"]
+    config, model, tok, dev_ids = load_small(sweep.gguf_path or None)
     cc = config.continuation
-    dev = continuation_tasks(dev_ids, n_contexts=args.contexts,
+    dev = continuation_tasks(dev_ids, n_contexts=sweep.contexts,
                                    context_len=cc.context_len,
                                    n_continuations=cc.n_continuations,
-                                   continuation_len=cc.continuation_len, offset=args.offset)
-    quantizers = {} if args.no_tasq else ex.calibrate_quantizers(model, tok, config)
+                                   continuation_len=cc.continuation_len, offset=sweep.offset)
+    quantizers = ex.calibrate_quantizers(model, tok, config) if sweep.tasq else {}
     text = ex.probe_text(tok, config)
     combos = [(n, b) for n in config.compressions for b in config.budgets]
     combos += [(q, None) for q in quantizers]
-    if args.only:
-        only = args.only.split(",")
+    if sweep.only:
+        only = sweep.only.split(",")
         unknown = sorted(set(only) - {n for n, _ in combos})
         if unknown:
-            sys.exit(f"--only: unknown compressions {unknown}; expected some of "
-                     f"{sorted({n for n, _ in combos})}")
+            raise ValueError(f"config.only: unknown compressions {unknown}; expected some "
+                             f"of {sorted({n for n, _ in combos})}")
         combos = [(n, b) for n, b in combos if n in only]
     nll = {}  # (setting, ctx, compression) -> (nll_sum, n, attn_err)
+    rows = []
     ref = reference_model(model)
     full_contrib = {}
-    names = args.settings.split(",")
     for ci, task in enumerate(dev):  # settings with the same probes share them
         probed_by_cfg = {}
         for name in names:
@@ -183,18 +230,26 @@ def main(argv=None):
                     s = ex.score_continuation(v, length, task, full_contrib[ci])
                     tag = "none" if meth == "none" else name
                     nll[(tag, ci, key)] = (s["nll_sum"], s["n"], s["attn_err"])
-                    print(json.dumps({"setting": tag, "ctx": ci, "comp": key,
-                                      "ppl": math.exp(s["nll_sum"] / s["n"]),
-                                      "attn_err": s["attn_err"],
-                                      **({k: v["summary"][k] for k in
-                                          ("layers_patched", "ffn_layers_patched",
-                                           "val_err_before", "val_err_after", "mean_rank",
-                                           "patch_bytes", "strength", "strength_kl", "query_scale",
-                                           "query_scale_kl")}
-                                       if "summary" in v else {})}),
-                          flush=True)
+                    row = {"setting": tag, "ctx": ci, "comp": key,
+                           "ppl": math.exp(s["nll_sum"] / s["n"]),
+                           "attn_err": s["attn_err"],
+                           **({k: v["summary"][k] for k in
+                               ("layers_patched", "ffn_layers_patched",
+                                "val_err_before", "val_err_after", "mean_rank",
+                                "patch_bytes", "strength", "strength_kl", "query_scale",
+                                "query_scale_kl")}
+                              if "summary" in v else {})}
+                    rows.append(row)
+                    print(json.dumps(row, default=str), flush=True)
             print(f"# {name} ctx {ci}: {time.perf_counter() - t0:.0f}s", flush=True)
         print(table(nll, len(dev), names), flush=True)
+    columns, gap_rows, full = table_rows(nll, len(dev), names)
+    return common.Report(
+        columns=COLUMNS + sorted({k for r in rows for k in r} - set(COLUMNS)), rows=rows,
+        title=f"PatchKV dev sweep ({len(dev)} dev context(s) at offset {sweep.offset})",
+        tables=[{"title": f"pooled ppl (gap closed, attention error); full cache ppl "
+                          f"{full:.2f}", "columns": columns, "rows": gap_rows}],
+        notes=["dev half of the held-out prose only (docs/protocol.md)"])
 
 
 def pooled(nll, tag, n_ctx, key):
@@ -205,22 +260,29 @@ def pooled(nll, tag, n_ctx, key):
             float(np.mean([p[2] for p in parts])))
 
 
-def table(nll, n_ctx, names):
+def table_rows(nll, n_ctx, names):
+    """(columns, rows, full-cache ppl) of the gap-closed table: per setting and
+    compression "ppl (gap closed, err attention error)", pooled over the contexts."""
     keys = sorted({k for (_, _, k) in nll if k != "full"})
     full, _ = pooled(nll, "full", n_ctx, "full")
-    lines = [f"| setting | {' | '.join(keys)} |", "|---" * (len(keys) + 1) + "|"]
+    rows = []
     for name in ["none"] + names:
-        cells = []
+        row = {"setting": name}
         for k in keys:
             ppl, err = pooled(nll, name, n_ctx, k)
             none, _ = pooled(nll, "none", n_ctx, k)
             gap = (none - ppl) / (none - full) if name != "none" else math.nan
-            cells.append(f"{ppl:.2f} ({gap:.0%}, err {err:.3f})" if name != "none"
-                         else f"{ppl:.2f} (err {err:.3f})")
-        lines.append(f"| {name} | {' | '.join(cells)} |")
-    lines.append(f"full ppl {full:.2f}")
-    return "\n".join(lines)
+            row[k] = (f"{ppl:.2f} ({gap:.0%}, err {err:.3f})" if name != "none"
+                      else f"{ppl:.2f} (err {err:.3f})")
+        rows.append(row)
+    return ["setting", *keys], rows, full
+
+
+def table(nll, n_ctx, names):
+    columns, rows, full = table_rows(nll, n_ctx, names)
+    return common.markdown_table(columns, rows) + f"\nfull ppl {full:.2f}"
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit("run it through the experiment runner:\n  python -m experiments.run "
+                     "--config=experiments/patchkv/dev/sweep.py --config.settings=base")
