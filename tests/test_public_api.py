@@ -6,8 +6,8 @@
 * Experiments and notebooks import a technique through its package (`from research.tasq
   import tasq`), never from one of its modules (`research.tasq.transform`).
 
-Notebook code is checked twice: in the .ipynb files, and in the cells their generators
-(scripts/make_notebooks.py, experiments/*/make_notebook.py) write.
+Notebook code is checked twice: in the .ipynb files, and in their percent-format sources
+(notebooks/src/*.py, from which scripts/make_notebooks.py generates them).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TECHNIQUES = ("tasq", "patchkv", "eviction", "megaflux", "specscale", "specdecode", "moe",
               "sharding", "dynacore")
-GENERATORS = ("scripts/make_notebooks.py", "experiments/*/make_notebook.py")
 # Known violations another change is removing (each with who fixes it); the last test
 # fails once one is gone, so the entry is dropped with the fix.
 PENDING: dict[tuple[str, str], str] = {}
@@ -98,17 +97,6 @@ def _notebook_code(cell_source: str) -> str:
                      for line in cell_source.splitlines())
 
 
-def _generator_cells(path: Path) -> list[str]:
-    """The code cells a notebook generator writes (string arguments of new_code_cell)."""
-    cells = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "new_code_cell"
-                and node.args and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)):
-            cells.append(node.args[0].value)
-    return cells
-
-
 def _sources():
     """(id, source, module, front_doors_only) for everything the rules cover."""
     for top in ("research", "experiments", "scripts"):
@@ -116,10 +104,8 @@ def _sources():
             if "__pycache__" not in path.parts:
                 yield (str(path.relative_to(ROOT)), path.read_text(), _module_name(path),
                        top == "experiments")
-    for pattern in GENERATORS:
-        for path in sorted(ROOT.glob(pattern)):
-            for i, cell in enumerate(_generator_cells(path)):
-                yield (f"{path.relative_to(ROOT)}: cell {i}", _notebook_code(cell), "", True)
+    for path in sorted((ROOT / "notebooks" / "src").glob("*.py")):
+        yield (str(path.relative_to(ROOT)), path.read_text(), "", True)
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
             if cell["cell_type"] == "code":
@@ -145,10 +131,9 @@ def test_every_pending_violation_is_still_there():
             f"{path} no longer uses {name}: remove it from PENDING")
 
 
-def test_the_scan_covers_generators_and_notebooks():
+def test_the_scan_covers_notebook_sources_and_notebooks():
     where = [w for w, *_ in _sources()]
-    assert any(w.startswith("scripts/make_notebooks.py: cell") for w in where)
-    assert any(w.startswith("experiments/patchkv/make_notebook.py: cell") for w in where)
+    assert "notebooks/src/patchkv.py" in where
     assert any(w.startswith("notebooks/patchkv.ipynb: cell") for w in where)
 
 
@@ -173,7 +158,7 @@ def test_the_rules_catch(source, module, strict, expected):
     ("from research.tasq import tasq\nfrom research.model.llama import Model", "", True),
     ("from research.tasq.transform import tasq", "research.patchkv.patch", False),
     ("from experiments.patchkv import experiment as ex\nex._calibration",
-     "experiments.patchkv.make_notebook", True),
+     "experiments.patchkv.patchkv", True),
 ])
 def test_the_rules_allow(source, module, strict):
     assert violations(source, module, strict) == []
