@@ -55,7 +55,9 @@ RUNS = {  # the smallest sweep of each: one setting, one dev context or 2 proble
 }
 
 
-@pytest.mark.parametrize("run_name", list(RUNS))
+# one sweep in the default suite, the others in the slow one (~20 s each)
+@pytest.mark.parametrize("run_name", [n if i == 0 else pytest.param(n, marks=pytest.mark.slow)
+                                      for i, n in enumerate(RUNS)])
 def test_a_dev_sweep_runs_through_the_runner(run_name, tiny_gguf, tmp_path):
     """Each dev sweep end to end on a tiny random model (~20 s each): its results go to
     the workdir, its protocol block says dev, and no ledger record is written."""

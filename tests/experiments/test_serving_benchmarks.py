@@ -32,6 +32,7 @@ def _run(config: str, gguf, workdir, *overrides) -> dict:
     return json.loads((name / "results.json").read_text())
 
 
+@pytest.mark.slow  # ~45 s: the benchmark's machinery end to end (make test stays < 20 min)
 def test_overhead_benchmark(gguf, tmp_path):
     result = _run("experiments/serving/overhead.py:small", gguf, tmp_path,
                   "--config.codecs=('bf16','tasq-1bit')", "--config.batches=(2,)",
@@ -48,6 +49,7 @@ def test_overhead_benchmark(gguf, tmp_path):
     assert all(r["ms"] > 0 for r in result["extra"]["profile"])
 
 
+@pytest.mark.slow  # ~45 s, as above
 def test_long_context_benchmark(gguf, tmp_path):
     result = _run("experiments/serving/long_context.py:small", gguf, tmp_path,
                   "--config.contexts=(64,512)", "--config.batch=2", "--config.decode_steps=4",
