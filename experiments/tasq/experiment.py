@@ -53,7 +53,7 @@ def test_items(config) -> list:
 def text_name(config) -> str:
     """The scored text: a pydoc half, or the fresh stdlib-docstring test text."""
     if config.get("test_text", "pydoc") == "stdlib":
-        return "fresh stdlib-docstring test text (research/data.py)"
+        return "fresh stdlib-docstring test text"
     return f"pydoc {config.split} half"
 
 
