@@ -115,6 +115,25 @@ def compile_count() -> int:
     return _compiles[0]
 
 
+def sampling_rows(reqs, start, n_new):
+    """Per-row sampling settings of a forward's rows (reqs[i] None = padding: greedy):
+    temperature, top_k, top_p [R] and PRNG keys [R, 2] from (seed, position of the token
+    to sample = start + n_new)."""
+    rows = len(reqs)
+    temperature = np.zeros(rows, np.float32)
+    top_k = np.zeros(rows, np.int32)
+    top_p = np.ones(rows, np.float32)
+    keys = np.zeros((rows, 2), np.uint32)
+    for i, req in enumerate(reqs):
+        if req is None:
+            continue
+        p = req.params
+        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        if p.temperature > 0:
+            keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
+    return temperature, top_k, top_p, keys
+
+
 def token_key(seed: int, position: int) -> np.ndarray:
     """Key data (2 x uint32) for the token at `position` of a request seeded `seed`."""
     return np.random.SeedSequence([int(seed) % (1 << 64), int(position)]).generate_state(
@@ -803,18 +822,7 @@ class ServingEngine:
         phase: "prefill" or "decode", the model view that runs (Model.for_phase).
         reqs[i]: the request of row i (None = padding); its next token's position is
         start + n_new (keys from (seed, position))."""
-        rows = len(reqs)
-        temperature = np.zeros(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
-        keys = np.zeros((rows, 2), np.uint32)
-        for i, req in enumerate(reqs):
-            if req is None:
-                continue
-            p = req.params
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            if p.temperature > 0:
-                keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
+        temperature, top_k, top_p, keys = sampling_rows(reqs, start, n_new)
         self.step_stats.read_slots += table.size * self.pool.block_size
         t0 = time.perf_counter()
         self.pool.pools, sampled, greedy = serve_forward(
@@ -830,10 +838,7 @@ class ServingEngine:
         (sampled [R], greedy [R, 1], per row (logprob, top pairs) of its sampled token);
         with `score`, the scoring rows' prompt positions are filled in as a side effect."""
         rows, t = tokens.shape
-        temperature = np.zeros(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
-        keys = np.zeros((rows, 2), np.uint32)
+        temperature, top_k, top_p, keys = sampling_rows(reqs, start, n_new)
         targets = np.zeros((rows, t), np.int32)
         if process is None:
             process = any(r is not None and r.params.processed for r in reqs)
@@ -849,9 +854,6 @@ class ServingEngine:
             if req is None:
                 continue
             p = req.params
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            if p.temperature > 0:
-                keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
             if score and req.scoring:  # row i, column j predicts prompt token start+j+1
                 lo, hi = int(start[i]) + 1, min(int(start[i]) + int(n_new[i]) + 1, req.n_prompt)
                 targets[i, :max(0, hi - lo)] = req.tokens[lo:hi]

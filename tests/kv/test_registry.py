@@ -10,12 +10,12 @@ from research.serving import kv_codecs as registry
 from research.kv.codec import KVCodec
 from research.kv.layouts import replace_codecs
 from research.kv.paged import paged_kv_cache
-from research.model import init_params, make_model, tiny_config
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine
 from research.serving.generate import generate
 from research.transforms import calibrate_and_apply, stateless
 from tests.serving.test_engine import CharTokenizer
+from tests.serving.test_engine_reads import base  # noqa: F401 - the fixture: a tiny model
 
 
 @struct.dataclass
@@ -55,15 +55,6 @@ def toy():
         calibrated=False, pages=True, summary="toy int4 codec (tests)"))
     yield spec
     registry.unregister(spec.name)
-
-
-@pytest.fixture(scope="module")
-def base():
-    config = tiny_config(vocab_size=128, max_position=512, head_dim=16, n_heads=4,
-                         n_kv_heads=2)
-    params = init_params(config, jax.random.key(5))
-    params["embed"] = params["embed"] * 0.15
-    return make_model(config, params)
 
 
 def test_lookups_and_errors(toy):
