@@ -88,8 +88,9 @@ def test_items(config) -> list:
     experiments/protocol.py); a run that does not compute the quality section scores none
     but reports the saved one, so its windows are declared all the same."""
     tok = common.tokenizer_only(config.gguf_path or None)
-    return [protocol.window_item(w, f"pydoc test half tokens [{i * len(w)}, "
-                                    f"{(i + 1) * len(w)})")
+    text = ("fresh stdlib-docstring test text" if config.get("test_text", "pydoc") == "stdlib"
+            else "pydoc test half")
+    return [protocol.window_item(w, f"{text} tokens [{i * len(w)}, {(i + 1) * len(w)})")
             for i, w in enumerate(quality_windows(tok, config, "test"))]
 
 
