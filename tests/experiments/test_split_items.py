@@ -87,10 +87,22 @@ def test_the_test_text_shares_no_text_with_dev_or_calibration():
 def test_the_fresh_test_text_shares_no_text_with_dev_or_calibration():
     """The fresh stdlib-docstring test text (research/data.py) is what replaces the pydoc
     test half for headline claims: no content-defined chunk in common with the pydoc dev
-    half or the calibration text, nor with the scored items already in the ledgers."""
+    half, the calibration text or the pydoc test half; and the only runs in the ledgers
+    that scored any of it are committed runs configured for it (test_text "stdlib")."""
+    import json
+    from pathlib import Path
     tok = common.tokenizer_only(None)
     fresh = protocol.tiled_windows(tok.encode(data.stdlib_text(check=False)), 256, "fresh")
     for split in ("dev", "calibration", "test"):
         other = protocol.tiled_windows(tok.encode(data.corpus_text(split)), 256, split)
         assert not protocol.overlaps(other, fresh), split
-    assert all(c["prior"] == 0 for c in protocol.prior_counts(fresh))
+    chunks = {c for item in fresh for c in item.chunks}
+    results = Path(protocol.LEDGER_DIR).parent
+    for ledger in protocol.item_ledgers():
+        for rec in ledger["scorings"]:
+            held = [ledger["items"].get(k, {}) for k in rec.get("items", ())]
+            if any(chunks & set(i.get("chunks", ())) for i in held):
+                path = results / rec["run_name"] / "results.json"
+                assert path.is_file(), (ledger["technique"], rec["run_name"])
+                config = json.loads(path.read_text())["config"]
+                assert config.get("test_text") == "stdlib", rec["run_name"]
