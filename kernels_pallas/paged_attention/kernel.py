@@ -78,7 +78,8 @@ def split_plan(m: int, block_sizes: BlockSizes, step: int) -> tuple[int, int]:
     return per_split, -(-m // per_split)
 
 
-def _padded_table(block_table, m_pad: int):
+def padded_table(block_table, m_pad: int):
+    """[B, M] table padded with -1 (unmapped) to [B, m_pad] int32."""
     b, m = block_table.shape
     return jnp.full((b, m_pad), -1, jnp.int32).at[:, :m].set(block_table.astype(jnp.int32))
 
@@ -87,7 +88,7 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _live_pages(length, block_size: int, window: int | None):
+def live_pages(length, block_size: int, window: int | None):
     """[first, last] page of a row's attended tokens (last = first - 1 when empty)."""
     # lax.div (truncation; operands are >= 0): jnp's floor division lowers through `sign`,
     # which Mosaic only lowers when it can query the TPU generation
@@ -143,7 +144,7 @@ def _tpu_kernel(tbl_ref, len_ref, q_ref, *refs, pages: int, block_size: int, hkv
     b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = len_ref[b]
     base = (split * steps + step) * pages  # first logical page of this step
-    first, last = _live_pages(length, block_size, window)
+    first, last = live_pages(length, block_size, window)
 
     @pl.when(step == 0)
     def _init():
@@ -190,11 +191,11 @@ def paged_decode_attention_tpu(q, k_pool, v_pool, block_table, lengths, k_scale=
     pages = min(block_sizes.pages_per_step, m)
     per_split, n_splits = split_plan(m, block_sizes, pages)
     steps, m_pad = per_split // pages, per_split * n_splits
-    table = _padded_table(block_table, m_pad).reshape(-1)  # 1-D: SMEM pads 2-D arrays
+    table = padded_table(block_table, m_pad).reshape(-1)  # 1-D: SMEM pads 2-D arrays
 
     def page_map(i, width=d):
         def index(bi, sp, st, tbl, lens):
-            first, last = _live_pages(lens[bi], s, window)
+            first, last = live_pages(lens[bi], s, window)
             page = jnp.clip((sp * steps + st) * pages + i, first, jnp.maximum(last, first))
             return jnp.maximum(tbl[bi * m_pad + jnp.minimum(page, m_pad - 1)], 0), 0, 0, 0
         return pl.BlockSpec((None, s, hkv, width), index)
@@ -253,7 +254,7 @@ def _gpu_kernel(table_ref, len_ref, q_ref, k_ref, v_ref, *refs, block_size: int,
     length = len_ref[0]
     q = q_ref[...]  # [Gp, D], pre-scaled f32 (or the pool dtype)
     rows, d = q.shape
-    first, last = _live_pages(length, block_size, window)
+    first, last = live_pages(length, block_size, window)
     lo = jnp.maximum(first, split * per_split)
     hi = jnp.minimum(last + 1, (split + 1) * per_split)
 
@@ -298,7 +299,7 @@ def paged_decode_attention_gpu(q, k_pool, v_pool, block_table, lengths, k_scale=
                          f"and head_dim >= 16, got block_size={s}, head_dim={d}")
     per_split, n_splits = split_plan(m, block_sizes, 1)
     m_pad = pl.next_power_of_2(per_split * n_splits)
-    table = _padded_table(block_table, m_pad)
+    table = padded_table(block_table, m_pad)
     rows = max(16, pl.next_power_of_2(g))
     qs = q.astype(jnp.float32).reshape(b, hkv, g, d) * d ** -0.5
     compute = _compute_dtype(k_pool)

@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.paged_attention.kernel import BlockSizes, split_plan
+from kernels_pallas.paged_attention.kernel import (BlockSizes, live_pages, padded_table,
+                                                   split_plan)
 from kernels_pallas.vq_attention import kernel as dense
 from kernels_pallas.vq_attention.rope import KeyRope
 
@@ -51,13 +52,8 @@ _PRECISIONS = dense._PRECISIONS
 
 
 def _last_page(length, block_size: int):
-    """Index of a row's last live page (-1 when empty); lax.div: Mosaic lowers no `sign`."""
-    return jax.lax.div(length + block_size - 1, block_size) - 1
-
-
-def _padded_table(block_table, m_pad: int):
-    b, m = block_table.shape
-    return jnp.full((b, m_pad), -1, jnp.int32).at[:, :m].set(block_table.astype(jnp.int32))
+    """Index of a row's last live page (-1 when empty)."""
+    return live_pages(length, block_size, None)[1]
 
 
 # -- GPU (Triton) ------------------------------------------------------------------------
@@ -107,7 +103,7 @@ def _gpu_call(q, k_pages, v_pages, k_codebook, v_codebook, table, lengths, key_r
     _, _, n_codes, gs = k_codebook.shape
     per_split, n_splits = split_plan(table.shape[1], block_sizes, 1)
     m_pad = pl.next_power_of_2(per_split * n_splits)  # Triton loads power-of-two rows
-    table = _padded_table(table, m_pad)
+    table = padded_table(table, m_pad)
     width = dense._next_pow2(d, 16)
     query, query_specs, tables, table_specs = dense._gather_inputs(
         q, k_codebook, v_codebook, key_rope, hkv, sm_scale, rows, width)
@@ -209,7 +205,7 @@ def _tpu_call(q, k_pages, v_pages, k_codebook, v_codebook, table, lengths, key_r
     pages = min(block_sizes.pages_per_step, m)
     per_split, n_splits = split_plan(m, block_sizes, pages)
     steps, m_pad = per_split // pages, per_split * n_splits
-    flat_table = _padded_table(table, m_pad).reshape(-1)  # 1-D: SMEM pads 2-D arrays
+    flat_table = padded_table(table, m_pad).reshape(-1)  # 1-D: SMEM pads 2-D arrays
     freqs = []
     if key_rope is None:
         key_inputs, _ = dense._lut_inputs(q, k_codebook, hkv, sm_scale, rows)

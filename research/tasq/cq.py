@@ -105,8 +105,6 @@ class CQCodec(KVCodec):
     def page_reader(self, window, read):
         """Decode steps on code pages: the paged VQ kernel with the keys' RoPE tables
         (kernels_pallas.vq_attention.paged); none for windows or "xla"."""
-        if self.implementation == "xla" or window is not None:
-            return None
         return paged_codes_reader(self, window, read, key_rope=self.key_rope(
             self.key_codebook.shape[1] * self.key_codebook.shape[3]))
 

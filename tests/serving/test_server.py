@@ -5,6 +5,7 @@ One small engine (f32 KV, 4 decode slots, queue of 4) is shared by the module; e
 leaves it idle, and the soak tests check that no KV block leaked.
 """
 import concurrent.futures as cf
+import contextlib
 import json
 import random
 import time
@@ -25,21 +26,32 @@ PROMPT = ("The tokenizer splits text into tokens, and the model reads them one a
           "to predict what comes next in the sentence about")
 
 
+@contextlib.contextmanager
+def running_server(model, tok, *, n_blocks: int, max_queue: int, default_max_tokens: int,
+                   model_name: str = MODEL):
+    """A real server on 127.0.0.1 over an f32-KV engine (max_batch 4, MAX_LEN), with
+    `loop`, `engine`, `tok`, `model` and an OpenAI `client` attached."""
+    engine = build_engine(model, tok, kv_codec="f32", n_blocks=n_blocks, block_size=BLOCK,
+                          max_batch=4, max_len=MAX_LEN, max_queue=max_queue,
+                          token_budget=64, prefill_chunk=32)
+    loop = EngineLoop(engine).start()
+    app = create_app(loop, tok, ServerConfig(model_name=model_name, max_context=MAX_LEN,
+                                             default_max_tokens=default_max_tokens))
+    try:
+        with ServerThread(app) as srv:
+            srv.loop, srv.engine, srv.tok, srv.model = loop, engine, tok, model
+            srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused",
+                                       max_retries=0, timeout=120)
+            yield srv
+    finally:
+        loop.stop()
+
+
 @pytest.fixture(scope="module")
 def server(smollm2):
     model, tok = smollm2
-    engine = build_engine(model, tok, kv_codec="f32", n_blocks=48, block_size=BLOCK,
-                          max_batch=4, max_len=MAX_LEN, max_queue=4, token_budget=64,
-                          prefill_chunk=32)
-    loop = EngineLoop(engine).start()
-    app = create_app(loop, tok, ServerConfig(model_name=MODEL, max_context=MAX_LEN,
-                                             default_max_tokens=16))
-    with ServerThread(app) as srv:
-        srv.loop, srv.engine, srv.tok, srv.model = loop, engine, tok, model
-        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused",
-                                   max_retries=0, timeout=120)
+    with running_server(model, tok, n_blocks=48, max_queue=4, default_max_tokens=16) as srv:
         yield srv
-    loop.stop()
 
 
 def _idle(srv, timeout=30.0):

@@ -18,8 +18,9 @@ openai = pytest.importorskip("openai")
 
 from research.model import init_params, make_model, tiny_config  # noqa: E402
 from research.model.llama import forward  # noqa: E402
-from research.serving.server import (EngineLoop, ServerConfig, ServerThread,  # noqa: E402
-                                     build_engine, create_app, encode_chat)
+from research.serving.server import (ServerConfig, ServerThread, create_app,  # noqa: E402
+                                     encode_chat)
+from tests.serving.test_server import running_server  # noqa: E402
 
 MODEL = "tiny-random"
 MAX_LEN = 256
@@ -37,18 +38,9 @@ def tiny_model(tok, seed=0):
 def server(smollm2):
     _, tok = smollm2
     model = tiny_model(tok)
-    engine = build_engine(model, tok, kv_codec="f32", n_blocks=96, block_size=BLOCK,
-                          max_batch=4, max_len=MAX_LEN, max_queue=16, token_budget=64,
-                          prefill_chunk=32)
-    loop = EngineLoop(engine).start()
-    app = create_app(loop, tok, ServerConfig(model_name=MODEL, max_context=MAX_LEN,
-                                             default_max_tokens=8))
-    with ServerThread(app) as srv:
-        srv.loop, srv.engine, srv.tok, srv.model = loop, engine, tok, model
-        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused",
-                                   max_retries=0, timeout=120)
+    with running_server(model, tok, n_blocks=96, max_queue=16, default_max_tokens=8,
+                        model_name=MODEL) as srv:
         yield srv
-    loop.stop()
 
 
 def reference_logprobs(model, ids):
