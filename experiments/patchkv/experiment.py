@@ -584,11 +584,18 @@ def evaluation_ids(tok, config) -> tuple[np.ndarray, tuple[int, int] | None, int
     the whole text's length in tokens, the text's name). The pydoc prose: the protocol's
     dev / test halves of the held-out topics (`research.data.corpus_text`, disjoint by
     topic hash, checked on every read). A file at `text_path`: its first / second half
-    of tokens (research.patchkv.tasks.split_range; contexts checked to stay inside)."""
+    of tokens (research.patchkv.tasks.split_range; contexts checked to stay inside).
+    config.test_text "stdlib" (test runs only): the fresh test text (research.data)."""
     path = config.get("text_path", "")
+    fresh = config.get("test_text", "pydoc")
+    if path and fresh != "pydoc":
+        raise ValueError(f"test_text={fresh!r} and text_path={path!r} both name the scored "
+                         "text; give one")
     if not path:
-        ids = np.asarray(tok.encode(data.corpus_text(config.split)), np.int32)
-        return ids, None, len(ids), f"pydoc held-out prose, {config.split} half (topics)"
+        ids = np.asarray(tok.encode(data.split_text(config.split, fresh)), np.int32)
+        name = ("fresh stdlib-docstring test text (research/data.py)" if fresh == "stdlib"
+                else f"pydoc held-out prose, {config.split} half (topics)")
+        return ids, None, len(ids), name
     ids = np.asarray(tok.encode(data.load_text(path)), np.int32)
     lo, hi = split_range(len(ids), config.split)
     return ids[lo:hi], (lo, hi), len(ids), path

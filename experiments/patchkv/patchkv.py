@@ -36,6 +36,11 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     # (its tokens are split the same way). The probes' text rows always come from the
     # pydoc calibration split.
     c.text_path = ""
+    # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text of issue
+    # 36, research.data.stdlib_text; test runs only). Fresh runs set continuation.offset
+    # past the tokens earlier fresh-text runs scored (the item ledger: TaSQ and DynaCore
+    # read its first 2,048 tokens), so their windows are unseen (README, "fresh text").
+    c.test_text = "pydoc"
     # "dev" / "test" (docs/protocol.md): the pydoc prose's dev / test halves of the
     # held-out topics (research.data.corpus_text), or a text_path file's first / second
     # half of tokens; retrieval seeds 1000+ on dev, 0+ on test. Disjoint by construction
