@@ -1,6 +1,8 @@
 """SpecScale experiment (see specscale.py for the command and expected results)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from experiments import common, protocol
@@ -36,9 +38,29 @@ def problem_item(p):
 
 def test_items(config) -> list:
     """The problems this run scores (the item ledger, experiments/protocol.py)."""
-    task = make_task(config)
-    return [problem_item(p) for p in task.problems(config.n_problems, seed=config.seed,
-                                                   split=config.split)]
+    return [problem_item(p) for p in split_problems(make_task(config), config)]
+
+
+def scored_elsewhere(run_name: str) -> set[str]:
+    """Ledger keys of the problems any run not named `run_name` has scored."""
+    ledger = protocol.read_item_ledger(TECHNIQUE)
+    return {k for s in ledger["scorings"] if s.get("run_name") != run_name
+            for k in s["items"]}
+
+
+def split_problems(task: ArithmeticChains, config) -> list:
+    """The config's problems: the first n of its split in the seeded stream; with
+    `unseen_only` (the fresh-problem rerun of issue 36), the first n of that stream that
+    no other run has scored (the item ledger), so every one is new to the project."""
+    n = config.n_problems
+    if not config.get("unseen_only", False):
+        return task.problems(n, seed=config.seed, split=config.split)
+    seen = scored_elsewhere(config.run_name)
+    pool = task.problems(n + len(seen), seed=config.seed, split=config.split)
+    fresh = [p for p in pool if problem_item(p).key not in seen][:n]
+    if len(fresh) < n:
+        raise ValueError(f"only {len(fresh)} of {n} {config.split} problems are unscored")
+    return [dataclasses.replace(p, uid=i) for i, p in enumerate(fresh)]
 
 
 def prior_scorings() -> list[dict]:
@@ -111,7 +133,7 @@ def verifier_auroc(task, problems, judged) -> tuple[float, int]:
 def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
     task = make_task(config)
-    problems = task.problems(config.n_problems, seed=config.seed, split=config.split)
+    problems = split_problems(task, config)
     e = config.engine
     engine = PagedEngine(model, n_blocks=e.n_blocks, block_size=e.block_size,
                          max_len=e.max_len, temperature=e.temperature)

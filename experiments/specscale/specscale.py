@@ -48,6 +48,9 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         n_steps=TASK_STEPS, start_range=TASK_START, operand_range=TASK_OPERANDS, n_shots=2,
         verifier_shots=8))
     c.n_problems = 16 if small else 200
+    # True: skip every problem another run has scored (the item ledger), for a rerun on
+    # problems new to the project (issue 36: `--config.unseen_only=True`)
+    c.unseen_only = False
     # problems searched concurrently: their candidates share every forward pass
     c.group_size = 16 if small else 50
     c.engine = ml_collections.ConfigDict(dict(

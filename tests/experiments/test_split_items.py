@@ -106,3 +106,18 @@ def test_the_fresh_test_text_shares_no_text_with_dev_or_calibration():
                 assert path.is_file(), (ledger["technique"], rec["run_name"])
                 config = json.loads(path.read_text())["config"]
                 assert config.get("test_text") == "stdlib", rec["run_name"]
+
+
+def test_specscale_unseen_only_draws_test_problems_no_other_run_scored():
+    from experiments.specscale import experiment as E, specscale
+    config = specscale.get_config("small")
+    config.unseen_only, config.run_name = True, "specscale_unseen_check"
+    seen = E.scored_elsewhere(config.run_name)
+    fresh = E.test_items(config)
+    assert seen and len(fresh) == config.n_problems
+    assert not {i.key for i in fresh} & seen
+    plain = E.test_items(specscale.get_config("small"))  # the committed small run's
+    assert {i.key for i in plain} <= seen
+    test_keys = {E.problem_item(p).key for p in E.make_task(config).problems(
+        config.n_problems + len(seen), seed=config.seed, split="test")}
+    assert {i.key for i in fresh} <= test_keys  # still the test split
