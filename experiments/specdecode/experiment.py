@@ -34,9 +34,14 @@ def prompt_item(text: str, chat: bool):
                                  text[:60].replace("\n", " "))
 
 
+def scored_prompts(config) -> tuple:
+    """(repetitive, free-form) prompts of the config's split and test prompt set."""
+    return P.split_prompts(config.split, config.get("test_prompts", "original"))
+
+
 def test_items(config) -> list:
     """Every prompt of the config's split (prompts.py): what the run scores."""
-    return [prompt_item(t, chat) for group in P.PROMPTS[config.split] for t, chat in group]
+    return [prompt_item(t, chat) for group in scored_prompts(config) for t, chat in group]
 
 
 def prior_scorings() -> list[dict]:
@@ -116,7 +121,7 @@ def _prompt_rows(model, tok, config, variants, exit_variant, stops):
     """One row per (category, prompt, variant) with acceptance, tokens/forward, speedup:
     every prompt of the config's split (prompts.py)."""
     rows = []
-    repetitive, free_form = P.PROMPTS[config.split]
+    repetitive, free_form = scored_prompts(config)
     cats = [("repetitive", repetitive), ("free_form", free_form)]
     jobs = [(cat, i, text) for cat, texts in cats for i, text in enumerate(texts)]
     for cat, i, text in tqdm(jobs, desc="prompts"):
@@ -171,8 +176,9 @@ def _summary(rows):
 
 def _batched_row(model, tok, config, variants, stops):
     """Rows of both categories in one batch: each accepts its own number per step."""
-    texts = (P.REPETITIVE[:config.batch_rows // 2] +  # test prompts
-             P.FREE_FORM[:config.batch_rows - config.batch_rows // 2])
+    repetitive, free_form = scored_prompts(config)  # test prompts
+    texts = (repetitive[:config.batch_rows // 2] +
+             free_form[:config.batch_rows - config.batch_rows // 2])
     ids = [_ids(tok, t) for t in texts]
     drafter, policy = variants["lookup_adaptive"]
     fns = {"plain": lambda: generate(model, ids, max_new_tokens=config.max_new_tokens,
@@ -280,7 +286,7 @@ def _plot(summary, costs):
 def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
     stops = default_stop_tokens(tok)
-    longest = max(len(_ids(tok, t)) for t in sum(P.PROMPTS[config.split], ()))
+    longest = max(len(_ids(tok, t)) for t in sum(scored_prompts(config), ()))
     max_len = round_up(longest + config.max_new_tokens, PAD_BUCKET)
     costs = _cost_curves(model, config, max_len)
     variants = _variants(config, costs)
@@ -329,7 +335,9 @@ def run(config, out_dir=None) -> common.Report:
         extra={"summary": summary, "step_costs": costs, "batched": batched,
                "exactness_tiny": tiny, "exactness_smollm2": real, "max_len": max_len},
         plot=_plot(summary, costs),
-        notes=[f"{jax.default_backend()}; greedy; max_new_tokens={config.max_new_tokens}; "
+        notes=[f"test prompts: the {config.get('test_prompts', 'original')!r} set of "
+               "prompts.py",
+               f"{jax.default_backend()}; greedy; max_new_tokens={config.max_new_tokens}; "
                f"{config.repeats} rounds after a warm-up, variants interleaved in alternating "
                "order; speedup = median over rounds of plain wall / variant wall in the same "
                "round (prefill included in both); cpu_speedup: the same with process CPU "

@@ -58,6 +58,58 @@ FREE_FORM = tuple((t, True) for t in (  # test
     "Write a short story about a robot who learns to paint.",
     "Why is the sky blue?",
 ))
+
+# Fresh test prompts (issue 36): the test prompts above were scored before the protocol
+# (two of each kind were the old policy's tuning prompts), so the headline speedups are
+# re-scored once on these, written after the policy was fixed and never run before. The
+# same three kinds of repetitive task; the edited paragraph is docstring prose of the
+# fresh test text (threading.BoundedSemaphore), new to the project.
+SEMAPHORE = (
+    "Like regular semaphores, bounded semaphores manage a counter representing the number "
+    "of release() calls minus the number of acquire() calls, plus an initial value. The "
+    "acquire() method blocks if necessary until it can return without making the counter "
+    "negative. If not given, value defaults to 1.")
+
+CHECKLIST = ("Release checklist\n\n- Update the version number in setup.cfg.\n"
+             "- Run the full test suite on every supported Python.\n"
+             "- Build the wheel and the source archive.\n"
+             "- Upload both files and tag the release.\n")
+
+CODE_FRESH = '''def chunked(items, size):
+    """Split items into lists of at most size elements."""
+    out = []
+    for start in range(0, len(items), size):
+        out.append(items[start:start + size])
+    return out
+'''
+
+FRESH_REPETITIVE = (
+    (f"Rewrite the following paragraph, replacing 'semaphores' with 'locks':\n\n{SEMAPHORE}",
+     True),
+    (CHECKLIST + "\n" + CHECKLIST + "\n" + CHECKLIST[:70], False),
+    (f"Add a type hint to every argument of this function; keep the body the same:\n\n"
+     f"{CODE_FRESH}", True),
+)
+FRESH_FREE_FORM = tuple((t, True) for t in (
+    "How do vaccines train the immune system?",
+    "Write a short letter inviting a friend to a picnic.",
+    "What should I pack for a week-long hiking trip?",
+))
 SPLITS = Splits("specdecode prompts", dev=DEV_REPETITIVE + DEV_FREE_FORM,
-                test=REPETITIVE + FREE_FORM)
+                test=REPETITIVE + FREE_FORM + FRESH_REPETITIVE + FRESH_FREE_FORM)
 PROMPTS = {"dev": (DEV_REPETITIVE, DEV_FREE_FORM), "test": (REPETITIVE, FREE_FORM)}
+# the test prompt sets (config.test_prompts): the original ones and the fresh ones
+TEST_PROMPTS = {"original": PROMPTS["test"], "fresh": (FRESH_REPETITIVE, FRESH_FREE_FORM)}
+
+
+def split_prompts(split: str, test_prompts: str = "original") -> tuple:
+    """(repetitive, free-form) prompts a run of `split` scores: dev's, or the test set
+    named `test_prompts` ("original" / "fresh")."""
+    if split == "dev":
+        return PROMPTS["dev"]
+    if split != "test":
+        raise ValueError(f"split must be 'dev' or 'test', got {split!r}")
+    if test_prompts not in TEST_PROMPTS:
+        raise ValueError(f"test_prompts must be one of {tuple(TEST_PROMPTS)}, "
+                         f"got {test_prompts!r}")
+    return TEST_PROMPTS[test_prompts]

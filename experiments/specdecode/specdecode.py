@@ -38,6 +38,9 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     # dev: the policy grid on the dev prompts; small / full: every test prompt of
     # prompts.py with the chosen policy
     c.split = "dev" if arg == "dev" else "test"
+    # test runs: "original" (prompts.REPETITIVE / FREE_FORM) or "fresh" (the prompts of
+    # issue 36's rerun, new to the project: `--config.test_prompts=fresh`)
+    c.test_prompts = "original"
     c.seed = 0
     c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
     c.max_new_tokens = 64 if small else 256

@@ -121,3 +121,15 @@ def test_specscale_unseen_only_draws_test_problems_no_other_run_scored():
     test_keys = {E.problem_item(p).key for p in E.make_task(config).problems(
         config.n_problems + len(seen), seed=config.seed, split="test")}
     assert {i.key for i in fresh} <= test_keys  # still the test split
+
+
+def test_specdecode_fresh_prompts_are_new_test_prompts():
+    from experiments.specdecode import experiment as E, prompts as P, specdecode
+    config = specdecode.get_config("small")
+    config.test_prompts = "fresh"
+    fresh = {i.key for i in E.test_items(config)}
+    original = {i.key for i in E.test_items(specdecode.get_config("small"))}
+    dev = {i.key for i in E.test_items(specdecode.get_config("dev"))}
+    assert len(fresh) == 6 and not fresh & original and not fresh & dev
+    with pytest.raises(ValueError, match="test_prompts"):
+        P.split_prompts("test", "other")
