@@ -6,7 +6,8 @@ random inputs, then time it against the XLA path in the same process.
     PYTHONPATH=. python scripts/gpu_check.py --dry-run   # CPU: bench bookkeeping only
 
 Sections (in order): check_vq, check_paged, check_paged_codecs, check_gmm,
-bench_paged_codecs, bench_vq, bench_paged, bench_gmm; tune_vq (block shapes and dot precision of the VQ kernel) only when named. The whole run
+bench_paged_codecs, bench_vq, bench_paged, bench_gmm; tune_vq, tune_paged_vq and
+prefill_memory (executed peak memory of a 4 x 8192 SmolLM2-shaped prefill) only when named. The whole run
 stays under --budget-s (default 450 s, for an 8-minute device slot): a section that would
 start past the budget is recorded as skipped. A failing case is recorded with its error
 and the run goes on; the JSON file is rewritten after every section, so a run stopped at
@@ -48,8 +49,8 @@ from research.kv.quantized import quantize_int8  # noqa: E402
 
 SECTIONS = ("check_vq", "check_paged", "check_paged_codecs", "check_gmm",
             "bench_paged_codecs", "bench_vq", "bench_paged", "bench_gmm", "tune_vq",
-            "tune_paged_vq")
-DEFAULT_SECTIONS = SECTIONS[:-2]
+            "tune_paged_vq", "prefill_memory")
+DEFAULT_SECTIONS = SECTIONS[:-3]
 DRY_SECTIONS = ("bench_paged_codecs", "bench_vq", "bench_paged")
 GPU_VQ_BLOCKS = BlockSizes(block_kv=64, blocks_per_split=32)
 
@@ -304,6 +305,70 @@ def bench_gmm(rng, quick: bool) -> list[dict]:
     for name, dims in shapes.items():
         rows += gmm_bench.bench_shape(name, dims, jnp.bfloat16, GmmBlocks(128, 64, 128), 20,
                                       rng)
+    return rows
+
+
+# SmolLM2-135M-Instruct's shapes (research.model.load()'s config): the GGUF (98 MB) cannot
+# travel to the device, so the prefill-memory section runs random weights of this shape;
+# memory and time do not depend on the weights' values.
+SMOLLM2_SHAPE = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                     head_dim=64, ffn_dim=1536, rope_theta=100000.0, max_position=8192)
+
+
+def prefill_memory(rng, quick: bool, batch: int = 4, context: int = 8192,
+                   chunk: int = 512) -> list[dict]:
+    """Executed peak GPU memory and time of one batch x context prefill of a SmolLM2-shaped
+    model (f32 weights, bf16 dense cache), three ways, in this order: 512-token pieces over
+    the live slots only (`generate.prefill_in_chunks`, masked key blocks skipped), the same
+    pieces over the whole cache capacity, and one piece. Peaks are the allocator's
+    `peak_bytes_in_use`, cumulative: the ways run from the smallest expected peak up, and
+    each row reports the peak after it (a later row's peak is its own when it rose)."""
+    from research.model import init_params, make_model
+    from research.model.config import ModelConfig
+    from research.model.precision import kv_cache_dtype
+    from research.serving import generate as G
+    from research.transforms import calibrate_and_apply
+    del rng
+    cfg = ModelConfig(**SMOLLM2_SHAPE)
+    model = make_model(cfg, init_params(cfg, jax.random.key(0)))
+    model = calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0]
+    dev = jax.devices()[0]
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (batch, context), 1,
+                                           cfg.vocab_size), np.int32)
+    lengths = np.full((batch,), context, np.int32)
+
+    def full_capacity_pieces(states):
+        out = None
+        for c0 in range(0, context, chunk):
+            out, states, _ = G.prefill_piece(
+                model, jnp.asarray(tokens[:, c0:c0 + chunk]), jnp.full((batch,), c0, jnp.int32),
+                jnp.full((batch,), chunk, jnp.int32), states)
+        return out, states
+
+    ways = {"pieces_live_slots": lambda s: G.prefill_in_chunks(model, tokens, lengths, s,
+                                                               chunk)[:2],
+            "pieces_full_capacity": full_capacity_pieces,
+            "one_piece": lambda s: G._prefill_checked(model, jnp.asarray(tokens),
+                                                      jnp.asarray(lengths), s)[:2]}
+    rows, ref = [], None
+    for name, fn in ways.items():
+        before = dev.memory_stats() or {}
+        times = []
+        for _ in range(2 if quick else 3):  # the first call compiles
+            states = model.init_cache(batch, context)
+            t0 = time.perf_counter()
+            logits, states = fn(states)
+            jax.block_until_ready((logits, states))
+            times.append(time.perf_counter() - t0)
+        after = dev.memory_stats() or {}
+        last = np.asarray(logits, np.float32)
+        ref = last if ref is None else ref
+        rows.append({"way": name, "batch": batch, "context": context, "chunk": chunk,
+                     "peak_bytes_after": after.get("peak_bytes_in_use"),
+                     "bytes_in_use_before": before.get("bytes_in_use"),
+                     "seconds_warm": min(times[1:]), "seconds_first": times[0],
+                     "max_abs_logit_diff_vs_first_way": float(np.abs(last - ref).max())})
+        del states, logits
     return rows
 
 

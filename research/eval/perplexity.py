@@ -11,6 +11,7 @@ forward over a whole 8k window would hold scores of window x window per head and
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Sequence
 
@@ -62,18 +63,22 @@ def _window_nll(model: Model, tokens, lengths, score_from, cache_states):
     return jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1)
 
 
-@jax.jit
-def _piece_nll(model: Model, piece, targets, start, n_new, score_from, lengths, cache_states):
+@functools.partial(jax.jit, static_argnames=("live",))
+def _piece_nll(model: Model, piece, targets, start, n_new, score_from, lengths, cache_states,
+               live=None):
     """One piece of a batch of windows: sum of NLL and count of the targets it predicts
     (position p predicts targets[:, p - start]; scored at score_from <= p + 1 < lengths),
-    and the cache states after writing it."""
-    out = forward(model, piece, cache_states=cache_states, start=start, n_new=n_new)
+    and the cache states after writing it. live: attend over the first `live` slots only
+    (`Model.live_slots`; None: all)."""
+    cut = cache_states if live is None else model.leading_slots(cache_states, live)
+    out = forward(model, piece, cache_states=cut, start=start, n_new=n_new)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     t = start[:, None] + 1 + jnp.arange(piece.shape[1])[None, :]  # the target's position
     scored = (t >= score_from[:, None]) & (t < lengths[:, None])
-    return (jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1),
-            out.cache_states)
+    states = (out.cache_states if live is None
+              else model.with_leading_slots(cache_states, out.cache_states))
+    return jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1), states
 
 
 def _chunked_nll(model: Model, tokens, lengths, score_from, states, chunk: int):
@@ -91,7 +96,8 @@ def _chunked_nll(model: Model, tokens, lengths, score_from, states, chunk: int):
         n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
         nll, n, states = _piece_nll(model, jnp.asarray(piece), jnp.asarray(tgt),
                                     jnp.full((b,), c0, jnp.int32), jnp.asarray(n_new),
-                                    jnp.asarray(score_from), jnp.asarray(lengths), states)
+                                    jnp.asarray(score_from), jnp.asarray(lengths), states,
+                                    live=model.live_slots(states, c0 + chunk, chunk))
         total += float(jnp.sum(nll))
         count += int(jnp.sum(n))
     return total, count

@@ -45,6 +45,17 @@ class KVCache(abc.ABC):
         layouts mask by length on every read already, so they return `state` as it is."""
         return state
 
+    def leading_slots(self, state: CacheState, n: int) -> CacheState | None:
+        """The state cut to its first `n` token slots, or None if the layout cannot cut
+        it. A prefill piece whose rows end before slot n reads no later slot (all masked),
+        so it can attend over this cut instead of the whole capacity and skip the masked
+        key blocks; `with_leading_slots` puts the result back."""
+        return None
+
+    def with_leading_slots(self, state: CacheState, part: CacheState) -> CacheState:
+        """`state` with its first slots replaced by `part` (from `leading_slots`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not cut its state")
+
     def capacity(self, max_len: int) -> int:
         """How many positions a sequence may reach (a window cache never fills up)."""
         return max_len

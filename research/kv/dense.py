@@ -7,6 +7,7 @@ no copy). One kernel per codec then serves both layouts.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -87,6 +88,19 @@ class DenseKVCache(KVCache):
         if w.seq_state is not None:
             new[SEQ] = w.seq_state
         return out.astype(q.dtype), new
+
+    def leading_slots(self, state, n):
+        bufs = records_of(state)
+        n_slots = next(iter(bufs.values())).shape[1]
+        if n >= n_slots or n % self.codec.align:
+            return None
+        return {**state, **{name: x[:, :n] for name, x in bufs.items()}}
+
+    def with_leading_slots(self, state, part):
+        out = dict(part)  # the codec's per-sequence state comes from the piece
+        for name, x in records_of(state).items():
+            out[name] = jax.lax.dynamic_update_slice_in_dim(x, part[name], 0, axis=1)
+        return out
 
     def _decode_through_pages(self, q, view: KVView):
         """The codec's page reader over the buffers viewed as pages (module docstring), or

@@ -87,6 +87,26 @@ class Model:
         return tuple(cache.init(batch, max_len, c.n_kv_heads, c.head_dim)
                      for cache in self.caches)
 
+    def leading_slots(self, cache_states: tuple, n: int) -> tuple | None:
+        """Every layer's state cut to its first `n` token slots (`KVCache.leading_slots`),
+        or None if a layer's layout cannot cut its state or `n` covers it all."""
+        cut = tuple(c.leading_slots(s, n) for c, s in zip(self.caches, cache_states))
+        return None if any(x is None for x in cut) else cut
+
+    def with_leading_slots(self, cache_states: tuple, parts: tuple) -> tuple:
+        """`cache_states` with their first slots replaced by `parts` (`leading_slots`)."""
+        return tuple(c.with_leading_slots(s, p)
+                     for c, s, p in zip(self.caches, cache_states, parts))
+
+    def live_slots(self, cache_states: tuple, end: int, chunk: int) -> int | None:
+        """Slots a prefill piece ending at token `end` attends over: `chunk` times the next
+        power of two >= end / chunk (few compiled shapes), or None (the whole state:
+        `leading_slots` cannot cut it to that). Key blocks past it are masked for every
+        row of the piece, so skipping them changes nothing but the cost."""
+        live = chunk * (1 << max(0, -(-end // chunk) - 1).bit_length())
+        cut = jax.eval_shape(lambda: self.leading_slots(cache_states, live))
+        return None if cut is None else live
+
 
 def default_caches(config: ModelConfig, dtype: str = "float32") -> tuple[KVCache, ...]:
     """Dense caches for global layers, window rings for sliding layers."""

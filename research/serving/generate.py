@@ -95,6 +95,18 @@ def prefill_piece(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.
     return out.logits, out.cache_states, out.nonfinite_layer
 
 
+@functools.partial(jax.jit, static_argnames=("live",))
+def prefill_piece_live(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
+                       cache_states: tuple, live: int):
+    """`prefill_piece` attending over the first `live` slots of every layer's cache only
+    (`Model.live_slots`): the key blocks past them are masked for every row of a piece
+    that ends by slot `live`, so they are skipped instead of read."""
+    out = forward(model, tokens, cache_states=model.leading_slots(cache_states, live),
+                  start=start, n_new=n_new, logits="last", check_finite=True)
+    return (out.logits, model.with_leading_slots(cache_states, out.cache_states),
+            out.nonfinite_layer)
+
+
 def prefill_in_chunks(model: Model, tokens, lengths, cache_states: tuple,
                       chunk: int = PREFILL_CHUNK):
     """`_prefill_checked` in pieces of `chunk` tokens: (logits [B, V] at each row's last
@@ -102,7 +114,8 @@ def prefill_in_chunks(model: Model, tokens, lengths, cache_states: tuple,
 
     Attention of a chunk costs chunk x cache capacity, so one 4 x 8192 piece asked XLA for
     ~31 GB (scores over the whole cache for every prompt token); pieces bound it, and the
-    result is the same (each piece reads what the earlier ones wrote)."""
+    result is the same (each piece reads what the earlier ones wrote). A piece attends over
+    the live slots only (`Model.live_slots`), so the masked key blocks past it cost nothing."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)
@@ -115,9 +128,11 @@ def prefill_in_chunks(model: Model, tokens, lengths, cache_states: tuple,
         piece = np.zeros((b, chunk), np.int32)
         piece[:, :min(chunk, t - c0)] = tokens[:, c0:c0 + chunk]
         n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
-        out, cache_states, flags = prefill_piece(model, jnp.asarray(piece),
-                                                  jnp.full((b,), c0, jnp.int32),
-                                                  jnp.asarray(n_new), cache_states)
+        args = (model, jnp.asarray(piece), jnp.full((b,), c0, jnp.int32),
+                jnp.asarray(n_new), cache_states)
+        live = model.live_slots(cache_states, c0 + chunk, chunk)
+        out, cache_states, flags = (prefill_piece(*args) if live is None
+                                    else prefill_piece_live(*args, live=live))
         here = jnp.asarray((lengths - 1 >= c0) & (lengths - 1 < c0 + chunk))
         logits = out if logits is None else jnp.where(here[:, None], out, logits)
         bad = flags if bad is None else jnp.where(bad >= 0, bad, flags)
