@@ -142,3 +142,29 @@ def perplexity(model: Model, token_ids: Sequence[int], *, window: int = 512,
     if not math.isfinite(mean):
         raise FloatingPointError(f"perplexity is not finite (mean NLL {mean})")
     return Perplexity(math.exp(mean), mean, total_n)
+
+
+def continuation_perplexity(model: Model, windows, n_context: int, *, batch_size: int = 2,
+                            chunk: int = 512) -> Perplexity:
+    """Perplexity of each window's tokens after its first `n_context` ones, given them
+    (the context prefilled through `model.caches` in pieces of `chunk`, as serving does):
+    the quality of a cache codec at a context length. windows: [n, L] token ids."""
+    wins = np.asarray(windows, np.int32)
+    if wins.ndim != 2 or not 0 < n_context < wins.shape[1]:
+        raise ValueError(f"windows must be [n, L] with 0 < n_context < L, got shape "
+                         f"{wins.shape} and n_context={n_context}")
+    if batch_size < 1 or chunk < 1:
+        raise ValueError(f"batch_size and chunk must be >= 1, got {batch_size}, {chunk}")
+    total_nll, total_n = 0.0, 0
+    length = wins.shape[1]
+    for i in range(0, len(wins), batch_size):
+        batch = wins[i:i + batch_size]
+        lengths = np.full((len(batch),), length, np.int32)
+        score_from = np.full((len(batch),), n_context, np.int32)
+        states = model.init_cache(len(batch), length)
+        nll, n = _chunked_nll(model, batch, lengths, score_from, states, chunk)
+        total_nll, total_n = total_nll + nll, total_n + n
+    mean = total_nll / total_n
+    if not math.isfinite(mean):
+        raise FloatingPointError(f"perplexity is not finite (mean NLL {mean})")
+    return Perplexity(math.exp(mean), mean, total_n)

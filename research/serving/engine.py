@@ -397,6 +397,22 @@ class ServingEngine:
     def has_work(self) -> bool:
         return bool(self._queue or self._live or self._events)
 
+    def unshare(self, request_id: str) -> int:
+        """Give a live request private copies of every KV block it holds (prefix-cache
+        hits included); returns how many blocks were copied. For measurements that must
+        not let rows read the same pages (shared pages stay hot in a CPU's caches), e.g.
+        many rows built from one prefilled prompt. OutOfBlocksError (nothing changed)
+        when the pool has too few free blocks."""
+        req = self._live.get(request_id)
+        if req is None or req.seq is None:
+            raise ValueError(f"request {request_id!r} is not a live request holding KV")
+        m = self.pool.manager
+        seq, copies = m.fork_copy(req.seq)
+        self.pool.copy(copies)
+        m.free(req.seq)
+        req.seq = seq
+        return len(copies)
+
     def step(self) -> list[TokenEvent]:
         """One scheduler iteration: admit, one decode step, prefill chunks."""
         t0 = time.perf_counter()

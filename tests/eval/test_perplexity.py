@@ -60,3 +60,19 @@ def test_chunked_scoring_equals_one_forward_per_window(tiny, codec):
     assert pieces.nll == pytest.approx(whole.nll, rel=1e-5)
     with pytest.raises(ValueError, match="chunk"):
         perplexity(tiny, ids, chunk=0, **kw)
+
+
+def test_continuation_perplexity_scores_the_tail_given_the_context(tiny):
+    """Equals the NLL of the last L - n_context tokens from one plain forward per window,
+    with the context prefilled in pieces smaller than it."""
+    from research.eval.perplexity import continuation_perplexity
+    rng = np.random.default_rng(5)
+    wins = rng.integers(0, tiny.config.vocab_size, (3, 40))
+    got = continuation_perplexity(tiny, wins, 24, batch_size=2, chunk=16)
+    logits = forward(tiny, jnp.asarray(wins)).logits
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -np.take_along_axis(np.asarray(logp), wins[:, 1:, None], axis=-1)[..., 0]
+    assert got.n_tokens == 3 * 16
+    np.testing.assert_allclose(got.nll, nll[:, 23:].mean(), rtol=1e-5)
+    with pytest.raises(ValueError, match="n_context"):
+        continuation_perplexity(tiny, wins, 40)

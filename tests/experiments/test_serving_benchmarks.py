@@ -55,7 +55,10 @@ def test_long_context_benchmark(gguf, tmp_path):
                   "--config.contexts=(64,512)", "--config.batch=2", "--config.decode_steps=4",
                   "--config.block_size=8", "--config.prefill_chunk=32",
                   "--config.min_read_len=32", "--config.calibration_seqs=2",
-                  "--config.memory_batch=2", "--config.memory_context=128")
+                  "--config.memory_batch=2", "--config.memory_context=128",
+                  "--config.max_budget_rows=3", "--config.budget_decode_steps=3",
+                  "--config.quality.length=128", "--config.quality.continuation=32",
+                  "--config.quality.offset=0")
     # the tiny model's 512 positions: a 512 context holds a 507-token prompt + 4 decoded
     assert sorted({(r["context"], r["prompt_tokens"]) for r in result["rows"]}) == [
         (64, 64), (512, 507)]
@@ -63,7 +66,11 @@ def test_long_context_benchmark(gguf, tmp_path):
     assert set(rows) == {"bf16", "int8", "tasq-1bit", "tasq-1bit-post-rope"}
     for r in rows.values():
         assert r["decode_tok_s"] > 0 and r["compiles_while_serving"] == 0
+        assert r["seqs_at_budget"] == 3 and r["budget_tok_s"] > 0  # capped by the config
+        assert r["cont_ppl"] > 1 and r["cont_tokens"] == 2 * 32
+    assert len({r["cont_ppl"] for r in rows.values()}) == 4  # each codec changes quality
     assert rows["bf16"]["kv_bytes_per_token"] == 16 * rows["tasq-1bit"]["kv_bytes_per_token"]
-    assert rows["tasq-1bit"]["seqs_vs_bf16"] >= 15
+    assert rows["tasq-1bit"]["kv_bytes_per_token"] * 15 <= rows["bf16"]["kv_bytes_per_token"]
+    assert len(result["claims"]) == 2 * 2 + 2  # per TaSQ row at batch; at the budget, 512
     mem = result["extra"]["prefill_memory"]
     assert mem["chunked_bytes"] < mem["one_piece_bytes"]

@@ -364,3 +364,30 @@ def test_a_burst_is_admitted_only_as_far_as_the_pool_holds_its_prompts(engine, m
     want = _reference(model, [r.prompt_ids for r in reqs], 4)
     assert [_tokens(out[r.request_id]) for r in reqs] == want
     assert engine.metrics().kv_blocks_used == 0
+
+
+def test_unshare_gives_private_blocks_and_the_same_tokens(model):
+    """Rows built from one prefilled prompt through the prefix cache share its blocks;
+    `unshare` copies them (no block held by two rows after it) and every row still
+    decodes the reference tokens."""
+    eng = _engine(model, prefix_cache=True)
+    prompt = tuple(TOK.encode("one prompt copied into three decode rows"))
+    for i in range(3):
+        eng.insert(eng.prefill(Request(f"u{i}", prompt, SamplingParams(max_new_tokens=5))), i)
+    m = eng.pool.manager
+    seqs = [r.seq for r in eng._live.values()]
+    assert set(m.blocks(seqs[0])) & set(m.blocks(seqs[1]))  # shared through the cache
+    n_blocks = len(m.blocks(seqs[1]))
+    assert [eng.unshare(f"u{i}") for i in (1, 2)] == [n_blocks] * 2
+    blocks = [set(m.blocks(r.seq)) for r in eng._live.values()]
+    assert not (blocks[0] & blocks[1]) and not (blocks[1] & blocks[2])
+    m.allocator.check_consistency()
+    want = _reference(model, [prompt], 5)[0]
+    state, got = eng.state, {i: [] for i in range(3)}
+    while any(s is not None for s in state.slots):
+        state, toks = eng.generate(state)
+        for i in range(3):
+            got[i] += toks[i]
+    assert all(want[1:] == got[i] for i in range(3))
+    with pytest.raises(ValueError, match="not a live request"):
+        eng.unshare("u0")
