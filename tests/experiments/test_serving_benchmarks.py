@@ -28,7 +28,7 @@ def _run(config: str, gguf, workdir, *overrides) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    name = next(p for p in Path(workdir).iterdir() if p.is_dir())
+    name = next(p for p in Path(workdir).iterdir() if (p / "results.json").is_file())
     return json.loads((name / "results.json").read_text())
 
 
@@ -74,3 +74,17 @@ def test_long_context_benchmark(gguf, tmp_path):
     assert len(result["claims"]) == 2 * 2 + 2  # per TaSQ row at batch; at the budget, 512
     mem = result["extra"]["prefill_memory"]
     assert mem["chunked_bytes"] < mem["one_piece_bytes"]
+
+
+@pytest.mark.slow  # ~1 min: the servax half of the long-context peer script (no peer in CI)
+def test_peer_long_context_servax_half(gguf, tmp_path):
+    result = _run("experiments/serving/peer_llamacpp_long.py:small", gguf, tmp_path,
+                  "--config.llamacpp_kv=()", "--config.servax_kv=('bf16','int8')",
+                  "--config.context=128", "--config.decode_steps=4",
+                  "--config.block_size=8", "--config.prefill_chunk=32",
+                  "--config.min_read_len=32")
+    rows = result["rows"]
+    assert [(r["server"], r["kv"], r["prompt_tokens"]) for r in rows] == [
+        ("servax", "bf16", 123), ("servax", "int8", 123)]
+    assert all(r["decode_tok_s"] > 0 and len(r["tokens"]) == 4 for r in rows)
+    assert result["claims"][0]["measured"] == "no peer row"
