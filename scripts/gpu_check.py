@@ -348,8 +348,9 @@ def prefill_memory(rng, quick: bool, batch: int = 4, context: int = 8192,
     ways = {"pieces_live_slots": lambda s: G.prefill_in_chunks(model, tokens, lengths, s,
                                                                chunk)[:2],
             "pieces_full_capacity": full_capacity_pieces,
-            "one_piece": lambda s: G._prefill_checked(model, jnp.asarray(tokens),
-                                                      jnp.asarray(lengths), s)[:2]}
+            "one_piece": lambda s: G.prefill_piece(model, jnp.asarray(tokens),
+                                                   jnp.zeros((batch,), jnp.int32),
+                                                   jnp.asarray(lengths), s)[:2]}
     rows, ref = [], None
     for name, fn in ways.items():
         before = dev.memory_stats() or {}
