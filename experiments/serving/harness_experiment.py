@@ -7,7 +7,7 @@ import pathlib
 import tempfile
 import time
 
-from experiments import common
+from experiments import common, protocol
 from research import data
 
 TECHNIQUE = "serving"
@@ -24,21 +24,36 @@ def defaults(config) -> dict:
     return {k: config[k] for k in ("variants", "max_len", "block_size", "calibration_seqs")}
 
 
-def write_tasks(out: pathlib.Path, tok, max_len: int, n_docs: int) -> pathlib.Path:
-    """The tests' task YAMLs with absolute data paths, plus servax_corpus_ppl over the
-    test split's paragraphs (each cut to fit one window of `max_len` tokens)."""
-    out.mkdir(parents=True, exist_ok=True)
-    for y in TASK_DIR.glob("*.yaml"):
-        text = y.read_text().replace("tests/serving/lm_eval_tasks/data",
-                                     str(TASK_DIR / "data"))
-        (out / y.name).write_text(text)
+def corpus_docs(tok, max_len: int, n_docs: int) -> list[str]:
+    """The pydoc test split's paragraphs servax_corpus_ppl scores (each cut to fit one
+    window of `max_len` tokens; the first `n_docs`, 0 = all)."""
     docs = []
     for p in data.prose_paragraphs(data.corpus_text("test")):
         ids = tok.encode(p)
         if len(ids) < 16:
             continue
         docs.append(tok.decode(ids[:max_len - 8]) if len(ids) > max_len - 8 else p)
-    docs = docs[:n_docs] if n_docs else docs
+    return docs[:n_docs] if n_docs else docs
+
+
+def test_items(config) -> list:
+    """The corpus paragraphs this run scores (the item ledger, experiments/protocol.py);
+    the local plumbing tasks (tests/serving/lm_eval_tasks) are fixtures, not test text."""
+    tok = common.tokenizer_only(config.gguf_path or None)
+    return [protocol.window_item(tok.encode(d), f"pydoc test half paragraph {i} "
+                                                "(harness corpus)")
+            for i, d in enumerate(corpus_docs(tok, config.max_len, config.corpus_docs))]
+
+
+def write_tasks(out: pathlib.Path, tok, max_len: int, n_docs: int) -> pathlib.Path:
+    """The tests' task YAMLs with absolute data paths, plus servax_corpus_ppl over the
+    test split's paragraphs (`corpus_docs`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for y in TASK_DIR.glob("*.yaml"):
+        text = y.read_text().replace("tests/serving/lm_eval_tasks/data",
+                                     str(TASK_DIR / "data"))
+        (out / y.name).write_text(text)
+    docs = corpus_docs(tok, max_len, n_docs)
     with open(out / "corpus_test.jsonl", "w") as f:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")

@@ -40,8 +40,8 @@ def quality_windows(tok, config) -> np.ndarray:
 
 def test_items(config) -> list:
     """The quality windows this run scores (none when quality.windows is 0)."""
-    if not config.quality.windows:
-        return []
+    if not config.get("quality") or not config.quality.windows:
+        return []  # (runs before issue 34's quality column scored no text)
     tok = common.tokenizer_only(config.gguf_path or None)
     q = config.quality
     return [protocol.window_item(w, f"fresh stdlib-docstring test text tokens "
