@@ -14,8 +14,10 @@ def test_dev_and_test_prompts_are_disjoint_and_all_are_run():
     run = set()
     for arg in ("dev", "small", "full"):
         c = config_module.get_config(arg)
-        for group in P.PROMPTS[c.split]:  # the experiment runs every prompt of its split
-            run |= set(group)
+        sets = [c.test_prompts] if c.split == "dev" else list(P.TEST_PROMPTS)
+        for test_prompts in sets:  # each config with each --config.test_prompts
+            for group in P.split_prompts(c.split, test_prompts):
+                run |= set(group)
     assert listed == run  # no prompt in prompts.py is left unrun (the code edit included)
     assert any("docstring" in text for text, _ in P.SPLITS.test)
     with pytest.raises(SplitOverlapError):
