@@ -136,12 +136,7 @@ def perplexity(model: Model, token_ids: Sequence[int], *, window: int = 512,
             nll, n = _chunked_nll(model, tokens, lengths_for_model, score_from, states, chunk)
             total_nll += nll
             total_n += n
-    if total_n == 0:
-        raise ValueError("no tokens were scored")
-    mean = total_nll / total_n
-    if not math.isfinite(mean):
-        raise FloatingPointError(f"perplexity is not finite (mean NLL {mean})")
-    return Perplexity(math.exp(mean), mean, total_n)
+    return _from_nll(total_nll, total_n)
 
 
 def continuation_perplexity(model: Model, windows, n_context: int, *, batch_size: int = 2,
@@ -164,6 +159,13 @@ def continuation_perplexity(model: Model, windows, n_context: int, *, batch_size
         states = model.init_cache(len(batch), length)
         nll, n = _chunked_nll(model, batch, lengths, score_from, states, chunk)
         total_nll, total_n = total_nll + nll, total_n + n
+    return _from_nll(total_nll, total_n)
+
+
+def _from_nll(total_nll: float, total_n: int) -> Perplexity:
+    """Perplexity from a summed NLL over `total_n` scored tokens; refuses none or non-finite."""
+    if total_n == 0:
+        raise ValueError("no tokens were scored")
     mean = total_nll / total_n
     if not math.isfinite(mean):
         raise FloatingPointError(f"perplexity is not finite (mean NLL {mean})")
