@@ -405,14 +405,18 @@ SCORED, LOAD = "scored", "load"  # a record's use of its items (module TEST_ITEM
 
 def prior_counts(items: list[Item], ledger_dir: Path | str | None = None,
                  exclude: str | None = None, use: str = SCORED,
-                 base_ledger_dir: Path | str | None = None) -> list[dict]:
+                 base_ledger_dir: Path | str | None = None,
+                 before: str | None = None) -> list[dict]:
     """Per item {"prior": n, "by_technique": {technique: n}}: how many earlier records of
     `use` hold the item or an item overlapping it (a shared chunk), in every technique's
     item ledger. "scored": runs that measured quality or accuracy on the item; "load":
     runs that used it only as a workload (serving speed, routing traces), counted apart so
     a throughput run does not mark every quality number re-scored. A record's `count`
     (default 1) is the number of scorings it stands for (seeded history). `exclude`: a
-    scoring id to skip. `base_ledger_dir`: the committed ledger, read with a workdir's."""
+    scoring id to skip. `base_ledger_dir`: the committed ledger, read with a workdir's.
+    `before` (UTC, "%Y-%m-%dT%H:%M:%SZ"): count only the scorings made before then
+    (`scoring_times`), to back-fill a run older than the item ledger."""
+    times = run_ledger_times(ledger_dir) if before is not None else {}
     by_key: dict[str, list] = {}
     by_chunk: dict[str, list] = {}
     for ledger in item_ledgers(ledger_dir, base_ledger_dir):
@@ -421,7 +425,11 @@ def prior_counts(items: list[Item], ledger_dir: Path | str | None = None,
             if (rec.get("id") == exclude or not rec.get("items")
                     or rec.get("use", SCORED) != use):
                 continue
-            ref = (t, rec["id"], int(rec.get("count", 1)))
+            n = (int(rec.get("count", 1)) if before is None else
+                 sum(u < before for u in scoring_times(rec, times)))
+            if not n:
+                continue
+            ref = (t, rec["id"], n)
             for key in rec["items"]:
                 by_key.setdefault(key, []).append(ref)
                 for c in ledger["items"].get(key, {}).get("chunks", ()):
@@ -528,10 +536,17 @@ def complete_test_items(declaration: Declaration,
 
 def record_prior_scorings(technique: str, label: str, items: list[Item] | None, *,
                           count: int, reason: str, ledger_dir: Path | str | None = None,
-                          use: str = SCORED) -> None:
+                          use: str = SCORED, scorings_of: str | None = None,
+                          scored_utc: list[str] | None = None) -> None:
     """Seed the item ledger with `count` scorings that happened before it existed: with
     their items when they can be rebuilt, else (items None) a documented entry that the
-    technique's runs report as unlisted prior scorings. Idempotent per `label`."""
+    technique's runs report as unlisted prior scorings. `scorings_of`: the run (a run
+    ledger name) whose scorings these are, the last one being its run ledger's record;
+    `scored_utc`: the time of each of the `count` scorings where known (`scoring_times`).
+    Idempotent per `label`."""
+    if scored_utc is not None and len(scored_utc) != count:
+        raise ValueError(f"{label}: scored_utc needs one time per scoring ({count}), got "
+                         f"{len(scored_utc)}")
     if count < 1 or not reason:
         raise ValueError("a prior scoring needs count >= 1 and a reason")
     with _locked(ledger_dir):
@@ -541,7 +556,9 @@ def record_prior_scorings(technique: str, label: str, items: list[Item] | None, 
             ledger["items"].setdefault(i.key, i.to_json())
         ledger["scorings"].append({
             "id": f"prior:{label}", "run_name": label, "status": "prior", "count": count,
-            "reason": reason, "use": use, "items": [i.key for i in items] if items else []})
+            "reason": reason, "use": use, "items": [i.key for i in items] if items else [],
+            **({"scorings_of": scorings_of} if scorings_of else {}),
+            **({"scored_utc": list(scored_utc)} if scored_utc else {})})
         _write_item_ledger(ledger, ledger_dir)
 
 
@@ -668,6 +685,36 @@ def merge_ledgers(src_dir: Path | str, dst_dir: Path | str | None = None) -> lis
 
 # -- seeding the item ledger with what was scored before it existed ------------------------
 
+RUN_LEDGER_LABEL = "run-ledger:"  # seeded records of a run ledger's run: "prior:run-ledger:<run>"
+
+
+def run_ledger_times(ledger_dir: Path | str | None = None) -> dict[str, list[str]]:
+    """Run name -> the UTC time of each of its test scorings in the run ledgers."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(Path(ledger_dir or LEDGER_DIR).glob("*.json")):
+        if not path.name.startswith(ITEM_LEDGER_PREFIX):
+            for run_name, entry in read_ledger(path.stem, path.parent)["splits"].items():
+                out[run_name] = [r.get("utc") or "" for r in entry.get("runs", [])]
+    return out
+
+
+def scoring_times(rec: dict, run_times: dict[str, list[str]]) -> list[str]:
+    """The UTC time of each scoring an item-ledger record stands for ("" = before the
+    dev/test protocol, so before any run): a live record its start; a seeded run-ledger
+    record its run's run-ledger times; a known leak of a run's own scorings (`scorings_of`)
+    that run's times, the rest of its count before them (unless it lists `scored_utc`,
+    their times); any other seeded leak "" each."""
+    count = int(rec.get("count", 1))
+    if rec.get("started_utc"):
+        return [rec["started_utc"]] * count
+    if rec.get("scored_utc"):  # a leak whose scorings' times are known
+        return list(rec["scored_utc"])
+    run = rec.get("scorings_of") or (rec.get("run_name", "").removeprefix(RUN_LEDGER_LABEL)
+                                     if rec.get("run_name", "").startswith(RUN_LEDGER_LABEL)
+                                     else None)
+    known = run_times.get(run, [])[-count:] if run else []
+    return [""] * (count - len(known)) + known
+
 def _run_ledger_reason(technique: str, run_name: str, entry: dict) -> str:
     commits = sorted({(r.get("commit") or "?")[:7] for r in entry.get("runs", [])})
     return (f"run ledger results/ledger/{technique}.json: {run_name} scored "
@@ -713,14 +760,17 @@ def seed_history(ledger_dir: Path | str | None = None,
     ledger_dir = Path(ledger_dir or LEDGER_DIR)
     results_dir = Path(results_dir or ledger_dir.parent)
     log = []
+    live = {r["run_name"] for led in item_ledgers(ledger_dir) for r in led["scorings"]
+            if r.get("started_utc")}  # runs the item ledger recorded as they ran
     for path in sorted(ledger_dir.glob("*.json")):
         if path.name.startswith(ITEM_LEDGER_PREFIX):
             continue
         technique = path.stem
         for run_name, entry in read_ledger(technique, ledger_dir)["splits"].items():
-            if (technique, run_name) in _REBUILT_BY_LEAKS:
-                continue
-            label, reason = f"run-ledger:{run_name}", _run_ledger_reason(technique, run_name,
+            if ((technique, run_name) in _REBUILT_BY_LEAKS or run_name in live
+                    or any(r.get("id") for r in entry.get("runs", []))):
+                continue  # a leak entry stands for it, or the item ledger recorded it live
+            label, reason = RUN_LEDGER_LABEL + run_name, _run_ledger_reason(technique, run_name,
                                                                           entry)
             items, use = None, SCORED
             try:
@@ -738,7 +788,9 @@ def seed_history(ledger_dir: Path | str | None = None,
     for module in _experiment_modules():  # the leaks each experiment knows of (issue 36)
         for p in getattr(module, "prior_scorings", lambda: [])():
             record_prior_scorings(module.TECHNIQUE, p["label"], p["items"], count=p["count"],
-                                  reason=p["reason"], ledger_dir=ledger_dir)
+                                  reason=p["reason"], ledger_dir=ledger_dir,
+                                  scorings_of=p.get("scorings_of"),
+                                  scored_utc=p.get("scored_utc"))
             log.append(f"{module.TECHNIQUE}/{p['label']}: "
                        f"{len(p['items']) if p['items'] else 'unlisted'} items x {p['count']}")
     return log

@@ -60,13 +60,18 @@ def defaults(config) -> dict:
 def prior_scorings() -> list[dict]:
     """Test scorings before the item ledger (issue 36), for `protocol.seed_history`."""
     return [
-        {"label": "issue36:dynacore_small-old-offset-windows", "count": 3, "reason": (
+        {"label": "issue36:dynacore_small-old-offset-windows", "count": 3,
+         "scorings_of": "dynacore_small",
+         # the two old-default scorings (run ledger at 7c5d314) and the one at 013d367
+         "scored_utc": ["2026-12-03T08:42:51Z", "2026-12-03T09:18:54Z",
+                        "2026-12-03T13:37:47Z"], "reason": (
             "issue 36: dynacore_small's 8 test windows (held-out text by offset, windows 4-11 "
             "of 256 tokens) were scored twice with the old defaults and once more at 013d367 "
             "(ledger history at 7c5d314); dynacore_full's dev windows 0-7 also held windows "
             "4-7. The windows now come from the protocol's test half"),
          "items": protocol.heldout_windows([(i * 256, (i + 1) * 256) for i in range(4, 12)])},
-        {"label": "issue36:dynacore_full-old-offset-windows", "count": 1, "reason": (
+        {"label": "issue36:dynacore_full-old-offset-windows", "count": 1,
+         "scorings_of": "dynacore_full", "reason": (
             "dynacore_full at 7ced55b: 32 test windows of 256 tokens by offset (windows "
             "8-39) from the held-out text (run ledger: 1 scoring)"),
          "items": protocol.heldout_windows([(i * 256, (i + 1) * 256) for i in range(8, 40)])},

@@ -202,3 +202,54 @@ def test_runner_end_to_end_counts_reruns_renamed_and_aborted_runs(tmp_path):
     assert "re-scored (1)" in table and f"protocol: {n} test item(s)" in table
     ledger = json.loads((work / "ledger" / "items_baseline.json").read_text())
     assert [r["status"] for r in ledger["scorings"]] == ["started", "completed"]
+
+
+def _old_run(results, ledger_dir, technique, name, utcs, claim_value=2.0):
+    """A run made before the item ledger: its run-ledger entry and results folder."""
+    path = ledger_dir / f"{technique}.json"
+    ledger = json.loads(path.read_text()) if path.exists() else {"technique": technique,
+                                                                  "splits": {}}
+    ledger["splits"][name] = {"defaults_fingerprint": "f", "test_scorings": len(utcs),
+                              "runs": [{"commit": "c", "utc": u} for u in utcs]}
+    path.write_text(json.dumps(ledger))
+    report = common.Report(columns=["x"], rows=[{"x": 1.0}],
+                           claims=[common.claim("speed", "> 1x", claim_value, True)])
+    common.write_results(report, results / name, {"run_name": name}, 0, ["cmd"], 1.0,
+                         git={}, protocol={"technique": technique, "split": "test",
+                                           "run_name": name, "test_scorings": len(utcs)})
+
+
+def test_backfill_counts_only_the_scorings_made_before_the_run(tmp_path):
+    from experiments import backfill_items
+    ledger_dir, results = tmp_path / "ledger", tmp_path / "results"
+    ledger_dir.mkdir()
+    ids = _text()
+    first = protocol.text_windows(ids, [(0, 1024)], "doc")
+    inside = protocol.text_windows(ids, [(100, 612)], "doc")  # inside `first`
+    _old_run(results, ledger_dir, "tasq", "old_a", ["2026-01-01T00:00:00Z"])
+    protocol.record_prior_scorings("tasq", protocol.RUN_LEDGER_LABEL + "old_a", first,
+                                   count=1, reason="run ledger", ledger_dir=ledger_dir)
+    # old_b: two scorings, the first before old_a (a leak with its times), the last its own
+    _old_run(results, ledger_dir, "baseline", "old_b", ["2026-01-02T00:00:00Z"])
+    protocol.record_prior_scorings(
+        "baseline", "leak:old_b", inside, count=2, reason="scored twice",
+        ledger_dir=ledger_dir, scorings_of="old_b",
+        scored_utc=["2025-12-31T00:00:00Z", "2026-01-02T00:00:00Z"])
+    protocol.declare_test_items("tasq", "later", first, ledger_dir=ledger_dir)  # live, now
+    assert "1 re-scored" in backfill_items.backfill(results / "old_a", ledger_dir)
+    assert "re-scored (2)" in backfill_items.backfill(results / "old_b", ledger_dir)
+    payload = json.loads((results / "old_b" / "results.json").read_text())
+    block = payload["protocol"]["items"]
+    assert (block["max_prior_scorings"], block["max_prior_by_technique"]) == (
+        2, {"baseline": 1, "tasq": 1})  # its own earlier scoring and old_a; not "later"
+    assert "before 2026-01-02T00:00:00Z" in block["backfilled"]
+    assert payload["claims"][0]["measured"] == "2 re-scored (2)"
+    table = (results / "old_b" / "table.md").read_text()
+    assert "| speed | > 1x | 2 re-scored (2) | yes |" in table
+    assert "protocol: 1 test item(s)" in table
+    old_a = json.loads((results / "old_a" / "results.json").read_text())
+    assert old_a["protocol"]["items"]["max_prior_scorings"] == 1  # old_b's first scoring
+    assert "already" in backfill_items.backfill(results / "old_b", ledger_dir)  # idempotent
+    with pytest.raises(ValueError, match="one time per scoring"):
+        protocol.record_prior_scorings("tasq", "x", first, count=2, reason="r",
+                                       ledger_dir=ledger_dir, scored_utc=["2026"])

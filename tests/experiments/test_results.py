@@ -161,6 +161,9 @@ def test_committed_runs_carry_provenance():
         if payload["command"].startswith("python -m experiments.run"):
             assert (run / "table.md").is_file(), run.name
         block = payload.get("protocol")
+        # every run under the protocol says how many of its test items were scored before
+        # (the item ledger; runs older than it back-filled by experiments.backfill_items)
+        assert block is None or "items" in block, f"{run.name}: no protocol items block"
         if block and block["split"] == "test":  # counted in the committed ledger
             ledger = json.loads((ROOT / "results" / "ledger" /
                                  f"{block['technique']}.json").read_text())
@@ -183,3 +186,19 @@ def test_readme_results_paths_are_committed():
             continue
         config = next(a for a in command.split() if a.startswith("--config="))
         assert config[len("--config="):] in (ROOT / readme).read_text(), (readme, name)
+
+
+def test_readmes_say_when_a_cited_run_was_re_scored():
+    """A README that cites a run whose test items were scored k > 0 times before (its
+    results.json protocol items block) says "re-scored (k)" somewhere (issue 36)."""
+    missing = []
+    for run in _committed_runs():
+        block = (json.loads((run / "results.json").read_text()).get("protocol") or {})
+        k = (block.get("items") or {}).get("max_prior_scorings", 0)
+        if not k:
+            continue
+        for readme in READMES:
+            text = readme.read_text()
+            if f"results/{run.name}/" in text and f"re-scored ({k})" not in text:
+                missing.append(f"{readme.relative_to(ROOT)}: {run.name} re-scored ({k})")
+    assert not missing, missing

@@ -1,0 +1,106 @@
+r"""Back-fill the item ledger's re-scored counts into results written before it existed.
+
+Command:  python -m experiments.backfill_items            (every results/<run>/ without them)
+          python -m experiments.backfill_items RUN [RUN ...]
+
+A run made before the item ledger (experiments/protocol.py; docs/protocol.md "The item
+ledger") has no results.json["protocol"]["items"]. Its test items are in the item ledger
+all the same (seeded from the run ledgers and the known leaks), and each record says when
+its scorings were made (`protocol.scoring_times`), so the counts the run would have
+reported had the ledger existed are those of the records made *before* the run's last
+scoring (the one its results.json holds). This writes that block (marked "backfilled"),
+adds " re-scored (k)" to each claim's measured value when k > 0 and puts the same in
+table.md with its protocol line. A dev run gets items None and the dev line. Idempotent:
+a run that already has the block is left alone.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from experiments import common, protocol
+
+
+def _run_record(run_name: str, ledger_dir: Path) -> tuple[str, dict, dict]:
+    """(technique, the run's own seeded item-ledger record, that item ledger)."""
+    for led in protocol.item_ledgers(ledger_dir):
+        for rec in led["scorings"]:
+            if (rec.get("scorings_of") == run_name
+                    or rec.get("run_name") == protocol.RUN_LEDGER_LABEL + run_name):
+                return led["technique"], rec, led
+    raise ValueError(f"{run_name}: no seeded record in the item ledgers of {ledger_dir} "
+                     "(python -m experiments.protocol seed)")
+
+
+def items_block(run_name: str, ledger_dir: Path | str | None = None) -> dict:
+    """results.json["protocol"]["items"] for a run older than the item ledger: its items'
+    earlier scorings, counting only the records made before its last scoring."""
+    ledger_dir = Path(ledger_dir or protocol.LEDGER_DIR)
+    technique, rec, led = _run_record(run_name, ledger_dir)
+    times = protocol.scoring_times(rec, protocol.run_ledger_times(ledger_dir))
+    if not rec.get("items") or not times[-1]:
+        raise ValueError(f"{run_name}: its record holds no items or no run-ledger time")
+    last = times[-1]
+    items = [protocol.Item(led["items"][k]["kind"], k, led["items"][k]["what"],
+                           tuple(led["items"][k].get("chunks", ()))) for k in rec["items"]]
+    scored = protocol.prior_counts(items, ledger_dir, before=last)
+    load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=last)
+    declared = protocol.Declaration(
+        technique, run_name, rec["id"], items, [c["prior"] for c in scored],
+        [c["by_technique"].get(technique, 0) for c in scored], [],
+        [c["by_technique"] for c in scored], [c["prior"] for c in load],
+        rec.get("use", protocol.SCORED))
+    block = declared.block("completed")
+    block["backfilled"] = (f"computed after the run by python -m experiments.backfill_items "
+                           f"from the item ledger's records made before {last} (the run's "
+                           "last scoring); the run itself predates the item ledger")
+    return block
+
+
+def _claim_row(claim: dict) -> str:
+    return "| " + " | ".join(common.fmt(claim.get(c, ""))
+                             for c in ("claim", "target", "measured", "met")) + " |"
+
+
+def backfill(run_dir: Path, ledger_dir: Path | str | None = None) -> str:
+    """Write the block into `run_dir`'s results.json and table.md; returns a log line."""
+    path = run_dir / "results.json"
+    payload = json.loads(path.read_text())
+    block = payload.get("protocol")
+    if block is None:  # scaleout_small: made before the dev/test protocol, no split at all
+        return f"{run_dir.name}: predates the dev/test protocol (no split, left alone)"
+    if "items" in block:
+        return f"{run_dir.name}: has its items block already"
+    items = (items_block(payload["config"]["run_name"], ledger_dir)
+             if block.get("split") == "test" else None)
+    table_path = run_dir / "table.md"
+    table = table_path.read_text() if table_path.exists() else None
+    before = [_claim_row(c) for c in payload.get("claims", [])]
+    report = common.Report(columns=payload.get("columns", []), rows=payload.get("rows", []),
+                           claims=payload.get("claims", []), notes=[])
+    protocol.annotate_report(report, items)
+    if table is not None:  # a few early dev runs wrote results.json only
+        for old, claim in zip(before, report.claims):
+            if old != (new := _claim_row(claim)):
+                if table.count(old) != 1:
+                    raise ValueError(f"{table_path}: claim row not found once: {old}")
+                table = table.replace(old, new)
+        table = table.rstrip("\n") + "\n" + "".join(f"- {n}\n" for n in report.notes)
+        table_path.write_text(table)
+    payload["protocol"] = {**block, "items": items}
+    payload["notes"] = payload.get("notes", []) + report.notes
+    path.write_text(json.dumps(payload, indent=2))
+    return f"{run_dir.name}: {report.notes[-1]}"
+
+
+def main(argv: list[str]) -> None:
+    results = common.RESULTS_DIR
+    runs = ([results / r for r in argv] if argv else
+            sorted(p.parent for p in results.glob("*/results.json")))
+    for run_dir in runs:
+        print(backfill(run_dir))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
