@@ -32,8 +32,13 @@ DEFAULTS_CHOSEN_ON = "python -m experiments.run --config=experiments/tasq/tasq.p
 
 
 def defaults(config) -> dict:
-    """TaSQ's library defaults (TaSQConfig), the key space among them."""
-    return {k: v for k, v in TaSQConfig().to_dict().items()
+    """The TaSQ settings this run's TaSQ rows use: the library defaults (TaSQConfig, the
+    key space among them) with the config's k-means budget and seed (`variants`), so the
+    ledger records what ran (the small config's 10 iterations on 4,096 points, not the
+    library's 12 on 8,192)."""
+    cfg = TaSQConfig(kmeans_iters=config.tasq.kmeans_iters,
+                     max_points=config.tasq.max_points, seed=config.seed)
+    return {k: v for k, v in cfg.to_dict().items()
             if k not in ("implementation", "interpret")}
 
 

@@ -86,9 +86,11 @@ PARAMS = init_params(CONFIG, jax.random.key(0))
 
 def tasq_default_config() -> TaSQConfig:
     """TaSQ's defaults as the protocol records them (results.json["protocol"]["defaults"],
-    the ledger's fingerprint): k-means iterations, points per problem and seed included."""
+    the ledger's fingerprint) for the small test run: k-means iterations, points per
+    problem and seed included."""
     from experiments.tasq.experiment import defaults
-    return TaSQConfig(**defaults(None))
+    from experiments.tasq.tasq import get_config
+    return TaSQConfig(**defaults(get_config("small")))
 
 
 @functools.cache
@@ -306,12 +308,20 @@ def test_every_lossy_codec_changes_the_logits_within_its_bound(codec_name):
 
 
 def test_tasq_row_is_the_default_calibrated_with_the_recorded_kmeans_settings():
+    import dataclasses
+
     from experiments.tasq.experiment import defaults
-    recorded = defaults(None)
+    from experiments.tasq.tasq import get_config
+    small = get_config("small")
+    recorded = defaults(small)
     cfg = tasq_default_config()
+    # the run's TaSQ rows use the config's k-means budget, and the protocol records it
     assert (cfg.kmeans_iters, cfg.max_points, cfg.seed) == (
-        recorded["kmeans_iters"], recorded["max_points"], recorded["seed"])
-    assert cfg == TaSQConfig()  # the library default is what the protocol records
+        recorded["kmeans_iters"], recorded["max_points"], recorded["seed"]) == (
+        small.tasq.kmeans_iters, small.tasq.max_points, small.seed)
+    # every other setting is the library default
+    assert cfg == dataclasses.replace(TaSQConfig(), kmeans_iters=cfg.kmeans_iters,
+                                      max_points=cfg.max_points, seed=cfg.seed)
     _, codecs = _tasq_default()
     assert all(isinstance(c, CQCodec) and c.describe().startswith("tasq") for c in codecs)
     assert codecs[0].key_codebook.shape == (HKV, D // cfg.channels_per_code,
