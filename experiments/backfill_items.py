@@ -10,14 +10,20 @@ its scorings were made (`protocol.scoring_times`), so the counts the run would h
 reported had the ledger existed are those of the records made *before* the run's last
 scoring (the one its results.json holds). This writes that block (marked "backfilled"),
 adds " re-scored (k)" to each claim's measured value when k > 0 and puts the same in
-table.md with its protocol line. A dev run gets items None and the dev line. Idempotent:
-a run that already has the block is left alone.
+table.md with its protocol line. A dev run gets items None and the dev line; a run made
+before the dev/test protocol (no protocol block) gets its module's items, dated by its
+results' first commit. Idempotent: a run that already has the block is left alone.
 """
 from __future__ import annotations
 
+import datetime
+import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+from ml_collections import ConfigDict
 
 from experiments import common, protocol
 
@@ -58,6 +64,35 @@ def items_block(run_name: str, ledger_dir: Path | str | None = None) -> dict:
     return block
 
 
+def pre_protocol_items_block(run_dir: Path, payload: dict,
+                             ledger_dir: Path | str | None = None) -> dict:
+    """The items block of a run made before the dev/test protocol (no run-ledger record):
+    its module's `test_items` for its config, counted against the records made before
+    its results were first committed (git)."""
+    config = ConfigDict(payload["config"])
+    module = importlib.import_module(config.experiment)
+    items = protocol.list_test_items(module, config)
+    when = subprocess.run(["git", "log", "--reverse", "--format=%cI", "--",
+                           str(run_dir / "results.json")], capture_output=True, text=True,
+                          cwd=run_dir, check=True).stdout.split()
+    if not when:
+        raise ValueError(f"{run_dir}: results.json is not committed; cannot date the run")
+    last = datetime.datetime.fromisoformat(when[0]).astimezone(
+        datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    scored = protocol.prior_counts(items, ledger_dir, before=last)
+    load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=last)
+    technique = module.TECHNIQUE
+    block = protocol.Declaration(
+        technique, config.run_name, "pre-protocol", items, [c["prior"] for c in scored],
+        [c["by_technique"].get(technique, 0) for c in scored], [],
+        [c["by_technique"] for c in scored], [c["prior"] for c in load],
+        getattr(module, "TEST_ITEMS_USE", protocol.SCORED)).block("completed")
+    block["backfilled"] = (f"computed after the run by python -m experiments.backfill_items "
+                           f"from the item ledger's records made before {last} (its results' "
+                           "first commit); the run predates the protocol and is in no ledger")
+    return block
+
+
 def _claim_row(claim: dict) -> str:
     return "| " + " | ".join(common.fmt(claim.get(c, ""))
                              for c in ("claim", "target", "measured", "met")) + " |"
@@ -68,12 +103,15 @@ def backfill(run_dir: Path, ledger_dir: Path | str | None = None) -> str:
     path = run_dir / "results.json"
     payload = json.loads(path.read_text())
     block = payload.get("protocol")
-    if block is None:  # scaleout_small: made before the dev/test protocol, no split at all
-        return f"{run_dir.name}: predates the dev/test protocol (no split, left alone)"
-    if "items" in block:
+    if block is not None and "items" in block:
         return f"{run_dir.name}: has its items block already"
-    items = (items_block(payload["config"]["run_name"], ledger_dir)
-             if block.get("split") == "test" else None)
+    if block is None:  # made before the dev/test protocol (scaleout_small): no split
+        block = {"split": None, "note": "run made before the dev/test protocol: no split, "
+                 "no run-ledger record"}
+        items = pre_protocol_items_block(run_dir, payload, ledger_dir)
+    else:
+        items = (items_block(payload["config"]["run_name"], ledger_dir)
+                 if block.get("split") == "test" else None)
     table_path = run_dir / "table.md"
     table = table_path.read_text() if table_path.exists() else None
     before = [_claim_row(c) for c in payload.get("claims", [])]

@@ -39,9 +39,11 @@ def quality_windows(tok, config) -> np.ndarray:
 
 
 def test_items(config) -> list:
-    """The quality windows this run scores (none when quality.windows is 0)."""
+    """The quality windows this run scores; a speed-only run (quality.windows 0, as the
+    runs before issue 34's quality column) scores no text and declares its run-name item,
+    so at least its reruns are counted."""
     if not config.get("quality") or not config.quality.windows:
-        return []  # (runs before issue 34's quality column scored no text)
+        return [protocol.run_item(TECHNIQUE, config.run_name)]
     tok = common.tokenizer_only(config.gguf_path or None)
     q = config.quality
     return [protocol.window_item(w, f"fresh stdlib-docstring test text tokens "
