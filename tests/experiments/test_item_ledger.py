@@ -253,3 +253,14 @@ def test_backfill_counts_only_the_scorings_made_before_the_run(tmp_path):
     with pytest.raises(ValueError, match="one time per scoring"):
         protocol.record_prior_scorings("tasq", "x", first, count=2, reason="r",
                                        ledger_dir=ledger_dir, scored_utc=["2026"])
+
+
+def test_a_speed_only_long_context_run_declares_its_run_item():
+    """quality.windows 0 scores no text: the run still declares an item (its name), so it
+    can run (a test run must declare items) and its reruns are counted."""
+    from experiments.serving import long_context, long_context_experiment as L
+    config = long_context.get_config("small")
+    config.quality.windows = 0
+    items = protocol.list_test_items(L, config)
+    assert [(i.kind, i.key) for i in items] == [
+        ("run", protocol.run_item("serving", config.run_name).key)]
