@@ -50,18 +50,9 @@ def items_block(run_name: str, ledger_dir: Path | str | None = None) -> dict:
     last = times[-1]
     items = [protocol.Item(led["items"][k]["kind"], k, led["items"][k]["what"],
                            tuple(led["items"][k].get("chunks", ()))) for k in rec["items"]]
-    scored = protocol.prior_counts(items, ledger_dir, before=last)
-    load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=last)
-    declared = protocol.Declaration(
-        technique, run_name, rec["id"], items, [c["prior"] for c in scored],
-        [c["by_technique"].get(technique, 0) for c in scored], [],
-        [c["by_technique"] for c in scored], [c["prior"] for c in load],
-        rec.get("use", protocol.SCORED))
-    block = declared.block("completed")
-    block["backfilled"] = (f"computed after the run by python -m experiments.backfill_items "
-                           f"from the item ledger's records made before {last} (the run's "
-                           "last scoring); the run itself predates the item ledger")
-    return block
+    return _counted_block(technique, run_name, rec["id"], items,
+                          rec.get("use", protocol.SCORED), last, ledger_dir,
+                          "the run's last scoring); the run itself predates the item ledger")
 
 
 def pre_protocol_items_block(run_dir: Path, payload: dict,
@@ -79,17 +70,24 @@ def pre_protocol_items_block(run_dir: Path, payload: dict,
         raise ValueError(f"{run_dir}: results.json is not committed; cannot date the run")
     last = datetime.datetime.fromisoformat(when[0]).astimezone(
         datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    scored = protocol.prior_counts(items, ledger_dir, before=last)
-    load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=last)
-    technique = module.TECHNIQUE
+    return _counted_block(module.TECHNIQUE, config.run_name, "pre-protocol", items,
+                          getattr(module, "TEST_ITEMS_USE", protocol.SCORED), last,
+                          ledger_dir, "its results' first commit); the run predates the "
+                          "protocol and is in no ledger")
+
+
+def _counted_block(technique: str, run_name: str, scoring_id: str, items: list, use: str,
+                   before: str, ledger_dir, why: str) -> dict:
+    """The items block of `items`, counting the records made before `before`."""
+    scored = protocol.prior_counts(items, ledger_dir, before=before)
+    load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=before)
     block = protocol.Declaration(
-        technique, config.run_name, "pre-protocol", items, [c["prior"] for c in scored],
+        technique, run_name, scoring_id, items, [c["prior"] for c in scored],
         [c["by_technique"].get(technique, 0) for c in scored], [],
         [c["by_technique"] for c in scored], [c["prior"] for c in load],
-        getattr(module, "TEST_ITEMS_USE", protocol.SCORED)).block("completed")
-    block["backfilled"] = (f"computed after the run by python -m experiments.backfill_items "
-                           f"from the item ledger's records made before {last} (its results' "
-                           "first commit); the run predates the protocol and is in no ledger")
+        use).block("completed")
+    block["backfilled"] = ("computed after the run by python -m experiments.backfill_items "
+                           f"from the item ledger's records made before {before} ({why}")
     return block
 
 
