@@ -8,9 +8,9 @@ What:      SmolLM2-135M-Instruct (trained to 8k), f32 weights, through the servi
            codec: (a) decode tok/s of `batch` rows, (b) engine output tok/s of as many
            rows as `budget_gib` of that codec's pool holds at this context (its real
            block bytes), each over `decode_steps` / `budget_decode_steps` greedy steps.
-           Every row is a private copy of one prefilled prompt (prefix-cache adoption,
-           then ServingEngine.unshare: no shared pages), so only one prompt per codec and
-           context is prefilled. (c) Each codec's continuation perplexity at the longest
+           Every row is a private copy of one prefilled prompt (ServingEngine.fork: its
+           pages and next token copied, no forward, no shared pages), so only one prompt
+           per codec and context is prefilled. (c) Each codec's continuation perplexity at the longest
            context: the last 1,024 tokens of 8,192-token windows of the fresh test text.
            Codecs: bf16, int8, TaSQ 1-bit with pre-RoPE keys (the default) and post-RoPE
            keys (lookup-table scores). KIVI-2 is left out: its full-precision ring is

@@ -74,9 +74,9 @@ def block_bytes(served, block_size: int) -> int:
 
 def rows_of_one_prompt(served, tok, prompt, rows: int, config):
     """An engine whose `rows` decode slots each hold a private copy of `prompt`'s KV: the
-    prompt is prefilled once (chunked), the other rows adopt its blocks through the prefix
-    cache (computing only the last partial block) and `unshare` copies them, so no two
-    rows read the same page. Returns (engine, prefill seconds of the first row)."""
+    prompt is prefilled once (chunked) and `ServingEngine.fork` copies its blocks and
+    next token into the other rows (no forward), so no two rows read the same page.
+    Returns (engine, prefill seconds of the first row)."""
     from research.serving.engine import ServingEngine
     bs = config.block_size
     max_len = len(prompt) + config.decode_steps + 1
@@ -84,18 +84,14 @@ def rows_of_one_prompt(served, tok, prompt, rows: int, config):
     engine = ServingEngine(
         served, tok, n_blocks=rows * (per_seq + 1) + 1, block_size=bs, max_batch=rows,
         max_len=max_len, token_budget=config.prefill_chunk,
-        prefill_chunk=config.prefill_chunk, max_prefill_rows=1, prefix_cache=True,
+        prefill_chunk=config.prefill_chunk, max_prefill_rows=1, prefix_cache=False,
         min_read_len=config.min_read_len, max_queue=rows, stop_token_ids=())
-    prefill_s = 0.0
-    for slot in range(rows):
-        t0 = time.perf_counter()
-        prefix = engine.prefill(Request(f"r{slot}", tuple(prompt), SamplingParams(
-            max_new_tokens=config.decode_steps + 1)))
-        if slot == 0:
-            prefill_s = time.perf_counter() - t0
-        else:
-            engine.unshare(f"r{slot}")
-        engine.insert(prefix, slot)
+    t0 = time.perf_counter()
+    engine.insert(engine.prefill(Request("r0", tuple(prompt), SamplingParams(
+        max_new_tokens=config.decode_steps + 1))), 0)
+    prefill_s = time.perf_counter() - t0
+    for slot in range(1, rows):
+        engine.insert(engine.fork("r0", f"r{slot}"), slot)
     return engine, prefill_s
 
 
@@ -216,9 +212,9 @@ def run(config, out_dir) -> common.Report:
     mem = extra["prefill_memory"]
     q = config.quality
     notes = [f"every row of a measurement is a private copy of one prefilled prompt of "
-             f"consecutive {config.text_split}-split tokens (adopted through the prefix "
-             "cache, then `ServingEngine.unshare`: no two rows read the same page; decode "
-             "cost does not depend on the values); prefill_s: that one prompt through the "
+             f"consecutive {config.text_split}-split tokens (`ServingEngine.fork`: private "
+             "copies of its pages, no two rows read the same page; decode cost does not "
+             "depend on the values); prefill_s: that one prompt through the "
              f"engine in {config.prefill_chunk}-token chunks; reads bucketed from "
              f"{config.min_read_len} tokens",
              f"decode_tok_s: batch {config.batch}, {config.decode_steps} decode steps (median "

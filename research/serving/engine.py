@@ -193,6 +193,16 @@ class TextStream:
         """Everything not yet released (the request ended without a stop string)."""
         return self._release(len(self._text))
 
+    def released(self) -> str:
+        """The text released so far."""
+        return self._text[:self.n_emitted]
+
+    def copy(self) -> TextStream:
+        """An independent stream at the same point (the tokenizer is shared)."""
+        out = TextStream(self.tokenizer, self.stops)
+        out.ids, out.n_emitted, out._text = list(self.ids), self.n_emitted, self._text
+        return out
+
     def _release(self, end: int) -> str:
         if end <= self.n_emitted:
             return ""
@@ -412,6 +422,35 @@ class ServingEngine:
         m.free(req.seq)
         req.seq = seq
         return len(copies)
+
+    def fork(self, request_id: str, new_request_id: str) -> Prefix:
+        """A new request `new_request_id` that stands exactly where the live, prefilled
+        request `request_id` stands: the same prompt, settings and generated tokens, and
+        private copies of its KV blocks, with no forward (re-prefilling the prompt gives
+        the same state: sampling keys come from (seed, position)). Its text so far
+        arrives as one event; `insert` it into a slot to decode it. The cheap way to
+        many rows of one long prompt (a re-prefill through the prefix cache recomputes
+        the last block through the codec's read). RequestError if the id is taken;
+        ValueError if the source is not live and prefilled; OutOfBlocksError (nothing
+        changed) when the pool has too few free blocks."""
+        src = self._live.get(request_id)
+        if (src is None or src.seq is None or src.state not in (PREFILLING, DECODING)
+                or self.pool.manager.length(src.seq) != len(src.tokens) - 1):
+            raise ValueError(f"request {request_id!r} is not a live prefilled request")
+        req = self._validated(dataclasses.replace(src.request, request_id=new_request_id))
+        seq, copies = self.pool.manager.fork_copy(src.seq)
+        self.pool.copy(copies)
+        req.seq, req.tokens = seq, list(src.tokens)
+        req.n_generated, req.n_cached, req.cached_blocks = (src.n_generated, src.n_cached,
+                                                            src.cached_blocks)
+        req.text = src.text.copy()
+        req.prompt_lp, req.prompt_top_ids, req.prompt_top_lp, req.prompt_lp_sent = (
+            src.prompt_lp, src.prompt_top_ids, src.prompt_top_lp, src.prompt_lp_sent)
+        req.state, req.admitted = PREFILLING, self._admissions
+        self._admissions += 1
+        self._live[req.rid] = req
+        self._emit(req, req.tokens[-1], req.text.released(), None)
+        return self._prefix(req)
 
     def step(self) -> list[TokenEvent]:
         """One scheduler iteration: admit, one decode step, prefill chunks."""

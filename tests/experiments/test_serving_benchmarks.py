@@ -87,4 +87,5 @@ def test_peer_long_context_servax_half(gguf, tmp_path):
     assert [(r["server"], r["kv"], r["prompt_tokens"]) for r in rows] == [
         ("servax", "bf16", 123), ("servax", "int8", 123)]
     assert all(r["decode_tok_s"] > 0 and len(r["tokens"]) == 4 for r in rows)
-    assert result["claims"][0]["measured"] == "no peer row"
+    # (the committed ledger may already count this run's item: "... re-scored (k)")
+    assert result["claims"][0]["measured"].startswith("no peer row")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from research.model import init_params, make_model, tiny_config
+from research.kv.block_allocator import OutOfBlocksError
 from research.serving.api import QueueFullError, Request, RequestError, SamplingParams
 from research.serving.engine import ServingEngine, TextStream, prompt_lookup_draft
 from research.serving.generate import generate
@@ -391,3 +392,51 @@ def test_unshare_gives_private_blocks_and_the_same_tokens(model):
     assert all(want[1:] == got[i] for i in range(3))
     with pytest.raises(ValueError, match="not a live request"):
         eng.unshare("u0")
+
+
+def test_fork_copies_a_prefilled_request_without_a_forward(model):
+    """`fork` gives a new request the source's tokens and private copies of its blocks
+    with no forward pass (no KV slot is read); the forks decode the source's tokens, a
+    fork made mid-decode continues where its source stands, their texts are whole, and
+    bad forks are refused with nothing changed."""
+    eng = _engine(model, prefix_cache=False, n_blocks=24)
+    prompt = tuple(TOK.encode("one prompt forked into three decode rows"))
+    src = eng.prefill(Request("f0", prompt, SamplingParams(max_new_tokens=6)))
+    eng.insert(src, 0)
+    events = {e.request_id: [e] for e in eng.drain_events()}
+    reads = eng.step_stats.read_slots
+    forks = [eng.fork("f0", f"f{i}") for i in (1, 2)]
+    assert eng.step_stats.read_slots == reads  # no forward ran
+    assert [f.first_token for f in forks] == [src.first_token] * 2
+    assert [f.n_computed for f in forks] == [src.n_computed] * 2
+    for e in eng.drain_events():
+        events.setdefault(e.request_id, []).append(e)
+    assert [_tokens(events[f"f{i}"]) for i in range(3)] == [[src.first_token]] * 3
+    m = eng.pool.manager
+    blocks = [set(m.blocks(r.seq)) for r in eng._live.values()]
+    assert not (blocks[0] & blocks[1] or blocks[0] & blocks[2] or blocks[1] & blocks[2])
+    m.allocator.check_consistency()
+    for i, f in enumerate(forks, start=1):
+        eng.insert(f, i)
+    state, toks = eng.generate(eng.state)  # one step, then fork a decoding request
+    eng.insert(eng.fork("f1", "f3"), 3)
+    while any(s is not None for s in state.slots):
+        state, toks = eng.generate(state)
+    for e in eng.drain_events():
+        events.setdefault(e.request_id, []).append(e)
+    want = _reference(model, [prompt], 6)[0]
+    assert [_tokens(events[f"f{i}"]) for i in range(3)] == [want] * 3
+    assert _tokens(events["f3"]) == want[1:]  # its first event carries f1's last token
+    assert [_check_stream(events[f"f{i}"]) for i in range(4)] == [TOK.decode(want)] * 4
+    assert eng.metrics().kv_blocks_used == 0
+    eng.insert(eng.prefill(Request("g0", prompt, SamplingParams(max_new_tokens=6))), 0)
+    with pytest.raises(RequestError, match="request_id"):
+        eng.fork("g0", "g0")
+    with pytest.raises(ValueError, match="not a live prefilled request"):
+        eng.fork("nobody", "g1")
+    used = eng.metrics().kv_blocks_used
+    for i in range(1, 4):  # the 24 blocks hold four copies of its 5 blocks, not five
+        eng.fork("g0", f"g{i}")
+    with pytest.raises(OutOfBlocksError):
+        eng.fork("g0", "g4")
+    assert eng.metrics().kv_blocks_used == 4 * used and "g4" not in eng._live
