@@ -32,8 +32,7 @@ def _run_record(run_name: str, ledger_dir: Path) -> tuple[str, dict, dict]:
     """(technique, the run's own seeded item-ledger record, that item ledger)."""
     for led in protocol.item_ledgers(ledger_dir):
         for rec in led["scorings"]:
-            if (rec.get("scorings_of") == run_name
-                    or rec.get("run_name") == protocol.RUN_LEDGER_LABEL + run_name):
+            if protocol.record_run(rec) == run_name:
                 return led["technique"], rec, led
     raise ValueError(f"{run_name}: no seeded record in the item ledgers of {ledger_dir} "
                      "(python -m experiments.protocol seed)")
@@ -48,8 +47,7 @@ def items_block(run_name: str, ledger_dir: Path | str | None = None) -> dict:
     if not rec.get("items") or not times[-1]:
         raise ValueError(f"{run_name}: its record holds no items or no run-ledger time")
     last = times[-1]
-    items = [protocol.Item(led["items"][k]["kind"], k, led["items"][k]["what"],
-                           tuple(led["items"][k].get("chunks", ()))) for k in rec["items"]]
+    items = [protocol.Item.from_json(k, led["items"][k]) for k in rec["items"]]
     return _counted_block(technique, run_name, rec["id"], items,
                           rec.get("use", protocol.SCORED), last, ledger_dir,
                           "the run's last scoring); the run itself predates the item ledger")
@@ -79,8 +77,10 @@ def pre_protocol_items_block(run_dir: Path, payload: dict,
 def _counted_block(technique: str, run_name: str, scoring_id: str, items: list, use: str,
                    before: str, ledger_dir, why: str) -> dict:
     """The items block of `items`, counting the records made before `before`."""
-    scored = protocol.prior_counts(items, ledger_dir, before=before)
-    load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=before)
+    times = protocol.run_ledger_times(ledger_dir)
+    scored = protocol.prior_counts(items, ledger_dir, before=before, run_times=times)
+    load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=before,
+                                 run_times=times)
     block = protocol.Declaration(
         technique, run_name, scoring_id, items, [c["prior"] for c in scored],
         [c["by_technique"].get(technique, 0) for c in scored], [],

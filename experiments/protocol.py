@@ -278,6 +278,11 @@ class Item:
             out["chunks"] = list(self.chunks)
         return out
 
+    @classmethod
+    def from_json(cls, key: str, entry: dict) -> Item:
+        """The item an item ledger lists as `key`: `entry` (its `to_json`)."""
+        return cls(entry["kind"], key, entry["what"], tuple(entry.get("chunks", ())))
+
 
 def window_item(ids, what: str, kind: str = "window", overlap_ids=None) -> Item:
     """A text window (token ids) as an item: keyed by the sha256 of its ids, chunked for
@@ -406,7 +411,8 @@ SCORED, LOAD = "scored", "load"  # a record's use of its items (module TEST_ITEM
 def prior_counts(items: list[Item], ledger_dir: Path | str | None = None,
                  exclude: str | None = None, use: str = SCORED,
                  base_ledger_dir: Path | str | None = None,
-                 before: str | None = None) -> list[dict]:
+                 before: str | None = None,
+                 run_times: dict[str, list[str]] | None = None) -> list[dict]:
     """Per item {"prior": n, "by_technique": {technique: n}}: how many earlier records of
     `use` hold the item or an item overlapping it (a shared chunk), in every technique's
     item ledger. "scored": runs that measured quality or accuracy on the item; "load":
@@ -415,8 +421,10 @@ def prior_counts(items: list[Item], ledger_dir: Path | str | None = None,
     (default 1) is the number of scorings it stands for (seeded history). `exclude`: a
     scoring id to skip. `base_ledger_dir`: the committed ledger, read with a workdir's.
     `before` (UTC, "%Y-%m-%dT%H:%M:%SZ"): count only the scorings made before then
-    (`scoring_times`), to back-fill a run older than the item ledger."""
-    times = run_ledger_times(ledger_dir) if before is not None else {}
+    (`scoring_times`), to back-fill a run older than the item ledger; `run_times`: the
+    run ledgers' times (`run_ledger_times`), read from `ledger_dir` when not given."""
+    times = {} if before is None else (run_ledger_times(ledger_dir) if run_times is None
+                                       else run_times)
     by_key: dict[str, list] = {}
     by_chunk: dict[str, list] = {}
     for ledger in item_ledgers(ledger_dir, base_ledger_dir):
@@ -709,11 +717,17 @@ def scoring_times(rec: dict, run_times: dict[str, list[str]]) -> list[str]:
         return [rec["started_utc"]] * count
     if rec.get("scored_utc"):  # a leak whose scorings' times are known
         return list(rec["scored_utc"])
-    run = rec.get("scorings_of") or (rec.get("run_name", "").removeprefix(RUN_LEDGER_LABEL)
-                                     if rec.get("run_name", "").startswith(RUN_LEDGER_LABEL)
-                                     else None)
+    run = record_run(rec)
     known = run_times.get(run, [])[-count:] if run else []
     return [""] * (count - len(known)) + known
+
+
+def record_run(rec: dict) -> str | None:
+    """The run whose scorings a seeded item-ledger record stands for (a run-ledger record,
+    or a known leak of a run's own scorings, `scorings_of`); None for any other record."""
+    name = rec.get("run_name", "")
+    return rec.get("scorings_of") or (name.removeprefix(RUN_LEDGER_LABEL)
+                                      if name.startswith(RUN_LEDGER_LABEL) else None)
 
 def _run_ledger_reason(technique: str, run_name: str, entry: dict) -> str:
     commits = sorted({(r.get("commit") or "?")[:7] for r in entry.get("runs", [])})
