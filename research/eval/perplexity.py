@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from research.model.llama import Model, forward
+from research.model.llama import Model, forward, forward_live
 
 
 class Perplexity(NamedTuple):
@@ -70,15 +70,14 @@ def _piece_nll(model: Model, piece, targets, start, n_new, score_from, lengths, 
     (position p predicts targets[:, p - start]; scored at score_from <= p + 1 < lengths),
     and the cache states after writing it. live: attend over the first `live` slots only
     (`Model.live_slots`; None: all)."""
-    cut = cache_states if live is None else model.leading_slots(cache_states, live)
-    out = forward(model, piece, cache_states=cut, start=start, n_new=n_new)
+    out = forward_live(model, piece, cache_states=cache_states, live=live, start=start,
+                       n_new=n_new)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     t = start[:, None] + 1 + jnp.arange(piece.shape[1])[None, :]  # the target's position
     scored = (t >= score_from[:, None]) & (t < lengths[:, None])
-    states = (out.cache_states if live is None
-              else model.with_leading_slots(cache_states, out.cache_states))
-    return jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1), states
+    return (jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1),
+            out.cache_states)
 
 
 def _chunked_nll(model: Model, tokens, lengths, score_from, states, chunk: int):

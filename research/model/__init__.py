@@ -5,10 +5,11 @@ Plain imports: `research.kv` and `research.core` do not import the model at run 
 """
 from research.model.config import GLOBAL, SLIDING, ModelConfig, MoEConfig, tiny_config
 from research.model.gguf_loader import GGUFError, default_gguf_path, load
-from research.model.llama import ForwardOutput, Model, forward, init_params, make_model
+from research.model.llama import (ForwardOutput, Model, forward, forward_live, init_params,
+                                  make_model)
 from research.model.nnx_adapter import NnxModel
 from research.model.tokenizer import Tokenizer
 
 __all__ = sorted(["GLOBAL", "SLIDING", "ModelConfig", "MoEConfig", "tiny_config", "GGUFError",
-                  "default_gguf_path", "load", "ForwardOutput", "Model", "forward",
+                  "default_gguf_path", "load", "ForwardOutput", "Model", "forward", "forward_live",
                   "init_params", "make_model", "NnxModel", "Tokenizer"])

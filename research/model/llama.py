@@ -251,6 +251,19 @@ def unembed(model: Model, h: Array) -> Array:
     return layers.linear(h, p["lm_head"]).astype(jnp.float32)
 
 
+def forward_live(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple,
+                 live: int | None, **kwargs) -> ForwardOutput:
+    """`forward` attending over the first `live` slots of every layer's state only (from
+    `Model.live_slots`; None: the whole state): the states are cut to those slots, the
+    chunk runs, and the returned states are the whole ones with those slots updated."""
+    if live is None:
+        return forward(model, tokens, cache_states=cache_states, **kwargs)
+    out = forward(model, tokens, cache_states=model.leading_slots(cache_states, live),
+                  **kwargs)
+    return out._replace(cache_states=model.with_leading_slots(cache_states,
+                                                              out.cache_states))
+
+
 def forward(model: Model, tokens: Int[Array, "B T"], *, cache_states: tuple | None = None,
             start: Int[Array, "B"] | None = None, n_new: Int[Array, "B"] | None = None,
             logits: str = "all", capture: bool = False,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from research.model.llama import Model, forward
+from research.model.llama import Model, forward, forward_live
 from research.serving.sampling import SamplingConfig, sample
 
 PAD_BUCKET = 16  # prompt chunks are padded to a multiple of this, to bound recompiles
@@ -85,26 +85,17 @@ def _prefill_checked(model: Model, tokens: jax.Array, lengths: jax.Array, cache_
     return out.logits, out.cache_states, out.nonfinite_layer
 
 
-@jax.jit
-def prefill_piece(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
-                  cache_states: tuple):
-    """One piece of a prompt (row b's tokens at start[b] + t, the first n_new[b] real):
-    (logits at each row's last real token, cache states, first non-finite layer or -1)."""
-    out = forward(model, tokens, cache_states=cache_states, start=start, n_new=n_new,
-                  logits="last", check_finite=True)
-    return out.logits, out.cache_states, out.nonfinite_layer
-
-
 @functools.partial(jax.jit, static_argnames=("live",))
-def prefill_piece_live(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
-                       cache_states: tuple, live: int):
-    """`prefill_piece` attending over the first `live` slots of every layer's cache only
-    (`Model.live_slots`): the key blocks past them are masked for every row of a piece
-    that ends by slot `live`, so they are skipped instead of read."""
-    out = forward(model, tokens, cache_states=model.leading_slots(cache_states, live),
-                  start=start, n_new=n_new, logits="last", check_finite=True)
-    return (out.logits, model.with_leading_slots(cache_states, out.cache_states),
-            out.nonfinite_layer)
+def prefill_piece(model: Model, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
+                  cache_states: tuple, live: int | None = None):
+    """One piece of a prompt (row b's tokens at start[b] + t, the first n_new[b] real):
+    (logits at each row's last real token, cache states, first non-finite layer or -1).
+    live: attend over the first `live` slots of every layer's cache only
+    (`Model.live_slots`; None: all): the key blocks past them are masked for every row of
+    a piece that ends by slot `live`, so they are skipped instead of read."""
+    out = forward_live(model, tokens, cache_states=cache_states, live=live, start=start,
+                       n_new=n_new, logits="last", check_finite=True)
+    return out.logits, out.cache_states, out.nonfinite_layer
 
 
 def prefill_in_chunks(model: Model, tokens, lengths, cache_states: tuple,
@@ -131,8 +122,7 @@ def prefill_in_chunks(model: Model, tokens, lengths, cache_states: tuple,
         args = (model, jnp.asarray(piece), jnp.full((b,), c0, jnp.int32),
                 jnp.asarray(n_new), cache_states)
         live = model.live_slots(cache_states, c0 + chunk, chunk)
-        out, cache_states, flags = (prefill_piece(*args) if live is None
-                                    else prefill_piece_live(*args, live=live))
+        out, cache_states, flags = prefill_piece(*args, live=live)
         here = jnp.asarray((lengths - 1 >= c0) & (lengths - 1 < c0 + chunk))
         logits = out if logits is None else jnp.where(here[:, None], out, logits)
         bad = flags if bad is None else jnp.where(bad >= 0, bad, flags)
