@@ -1,8 +1,8 @@
 r"""Long context: does a compressed KV cache turn into decode speed at 4k and 8k tokens?
 
 Command:   python -m experiments.run --config=experiments/serving/long_context.py:small
-Hardware:  CPU (2 cores): small ~1 hour (one prompt per codec and context, the
-           budget's rows, and 2 x 8k-token quality windows per codec).
+Hardware:  CPU (2 cores): small ~1 h 40 min alone (5,924 s at 48499e7: one prompt per
+           codec and context, the budget's rows, 2 x 8k-token quality windows per codec).
 What:      SmolLM2-135M-Instruct (trained to 8k), f32 weights, through the serving engine
            (paged pool, chunked prefill, live-length reads), per context length and KV
            codec: (a) decode tok/s of `batch` rows, (b) engine output tok/s of as many
