@@ -43,14 +43,16 @@ def items_block(run_name: str, ledger_dir: Path | str | None = None) -> dict:
     earlier scorings, counting only the records made before its last scoring."""
     ledger_dir = Path(ledger_dir or protocol.LEDGER_DIR)
     technique, rec, led = _run_record(run_name, ledger_dir)
-    times = protocol.scoring_times(rec, protocol.run_ledger_times(ledger_dir))
+    run_times = protocol.run_ledger_times(ledger_dir)
+    times = protocol.scoring_times(rec, run_times)
     if not rec.get("items") or not times[-1]:
         raise ValueError(f"{run_name}: its record holds no items or no run-ledger time")
     last = times[-1]
     items = [protocol.Item.from_json(k, led["items"][k]) for k in rec["items"]]
     return _counted_block(technique, run_name, rec["id"], items,
                           rec.get("use", protocol.SCORED), last, ledger_dir,
-                          "the run's last scoring); the run itself predates the item ledger")
+                          "the run's last scoring); the run itself predates the item ledger",
+                          run_times)
 
 
 def pre_protocol_items_block(run_dir: Path, payload: dict,
@@ -75,9 +77,10 @@ def pre_protocol_items_block(run_dir: Path, payload: dict,
 
 
 def _counted_block(technique: str, run_name: str, scoring_id: str, items: list, use: str,
-                   before: str, ledger_dir, why: str) -> dict:
-    """The items block of `items`, counting the records made before `before`."""
-    times = protocol.run_ledger_times(ledger_dir)
+                   before: str, ledger_dir, why: str, run_times: dict | None = None) -> dict:
+    """The items block of `items`, counting the records made before `before` (`run_times`:
+    the run ledgers' times, read here when the caller has not read them)."""
+    times = protocol.run_ledger_times(ledger_dir) if run_times is None else run_times
     scored = protocol.prior_counts(items, ledger_dir, before=before, run_times=times)
     load = protocol.prior_counts(items, ledger_dir, use=protocol.LOAD, before=before,
                                  run_times=times)

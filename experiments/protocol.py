@@ -729,6 +729,7 @@ def record_run(rec: dict) -> str | None:
     return rec.get("scorings_of") or (name.removeprefix(RUN_LEDGER_LABEL)
                                       if name.startswith(RUN_LEDGER_LABEL) else None)
 
+
 def _run_ledger_reason(technique: str, run_name: str, entry: dict) -> str:
     commits = sorted({(r.get("commit") or "?")[:7] for r in entry.get("runs", [])})
     return (f"run ledger results/ledger/{technique}.json: {run_name} scored "

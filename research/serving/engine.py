@@ -416,12 +416,18 @@ class ServingEngine:
         req = self._live.get(request_id)
         if req is None or req.seq is None:
             raise ValueError(f"request {request_id!r} is not a live request holding KV")
-        m = self.pool.manager
-        seq, copies = m.fork_copy(req.seq)
-        self.pool.copy(copies)
-        m.free(req.seq)
+        seq, n = self._private_copy(req.seq)
+        self.pool.manager.free(req.seq)
         req.seq = seq
-        return len(copies)
+        return n
+
+    def _private_copy(self, seq: int) -> tuple[int, int]:
+        """A new sequence holding private copies of `seq`'s blocks, copied on the device;
+        returns (its id, blocks copied). OutOfBlocksError (nothing changed) if too few
+        blocks are free."""
+        new, copies = self.pool.manager.fork_copy(seq)
+        self.pool.copy(copies)
+        return new, len(copies)
 
     def fork(self, request_id: str, new_request_id: str) -> Prefix:
         """A new request `new_request_id` that stands exactly where the live, prefilled
@@ -438,9 +444,8 @@ class ServingEngine:
                 or self.pool.manager.length(src.seq) != len(src.tokens) - 1):
             raise ValueError(f"request {request_id!r} is not a live prefilled request")
         req = self._validated(dataclasses.replace(src.request, request_id=new_request_id))
-        seq, copies = self.pool.manager.fork_copy(src.seq)
-        self.pool.copy(copies)
-        req.seq, req.tokens = seq, list(src.tokens)
+        req.seq, _ = self._private_copy(src.seq)
+        req.tokens = list(src.tokens)
         req.n_generated, req.n_cached, req.cached_blocks = (src.n_generated, src.n_cached,
                                                             src.cached_blocks)
         req.text = src.text.copy()
