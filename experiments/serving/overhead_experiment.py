@@ -17,8 +17,8 @@ TECHNIQUE = "serving"
 DEFAULTS_CHOSEN_ON = "none: random-token prompts and engine sizes set a priori, not tuned"
 
 COLUMNS = ["codec", "batch", "generate_tok_s", "engine_tok_s", "engine_over_generate",
-           "engine_2x_max_len_tok_s", "step_ms", "step_2x_max_len_ms", "forward_share",
-           "detokenize_share", "host_share"]
+           "generate_compile_s", "engine_compile_s", "engine_2x_max_len_tok_s", "step_ms",
+           "step_2x_max_len_ms", "forward_share", "detokenize_share", "host_share"]
 
 
 def defaults(config) -> dict:
@@ -26,7 +26,10 @@ def defaults(config) -> dict:
                                    "prefill_chunk")}
 
 
-def _generate_tok_s(model, prompts, new_tokens) -> float:
+def _generate_run(model, prompts, new_tokens) -> dict:
+    """One batch through `generate`: wall seconds of prefill + `decode_loop` ("wall_s")
+    and of `decode_loop` alone ("decode_s")."""
+    w0 = time.perf_counter()
     tokens, lengths = G.pad_prompts(prompts, model.config.vocab_size)
     states = model.init_cache(len(prompts), tokens.shape[1] + new_tokens)
     logits, states = G.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), states)
@@ -36,17 +39,21 @@ def _generate_tok_s(model, prompts, new_tokens) -> float:
                         max_new_tokens=new_tokens, sampling=G.SamplingConfig(),
                         stop_tokens=())
     jax.block_until_ready(out.tokens)
-    return len(prompts) * (new_tokens - 1) / (time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    return {"wall_s": t1 - w0, "decode_s": t1 - t0}
 
 
 def _engine_run(engine, prompts, new_tokens, tag) -> dict:
-    """Median pure-decode step of one batch of requests, and the breakdown over the run."""
+    """One batch of requests through `engine.step()`: the wall seconds of its pure-decode
+    steps (every row decoding, no prefill token in the step: the work `decode_loop` does)
+    and the step-time breakdown over the whole run."""
     from research.serving.engine import StepStats
     engine.step_stats = StepStats()
     for i, p in enumerate(prompts):
         engine.add_request(Request(f"{tag}-{i}", tuple(p), SamplingParams(
             max_new_tokens=new_tokens, temperature=0.0)))
     decode_steps = []
+    w0 = time.perf_counter()
     while engine.has_work():
         before = engine.step_stats.prefill_tokens
         t0 = time.perf_counter()
@@ -55,9 +62,48 @@ def _engine_run(engine, prompts, new_tokens, tag) -> dict:
         if engine.step_stats.prefill_tokens == before and sum(
                 e.token_id is not None for e in events) == len(prompts):
             decode_steps.append(dt)
+    wall_s = time.perf_counter() - w0
     st = engine.step_stats
-    return {"step_s": float(np.median(decode_steps)), "forward": st.forward_s / st.step_s,
+    return {"wall_s": wall_s, "decode_s": float(np.sum(decode_steps)),
+            "decode_steps": len(decode_steps), "step_s": float(np.median(decode_steps)), "forward": st.forward_s / st.step_s,
             "detokenize": st.detokenize_s / st.step_s, "host": st.host_s / st.step_s}
+
+
+def _timed_setting(served, engines, prompts, new_tokens, rounds) -> dict:
+    """Both sides warmed, then timed in `rounds` interleaved rounds.
+
+    The first call of each side (generate's prefill + decode_loop, each engine's whole
+    batch) compiles its programs and is not timed into the comparison: its excess over
+    the warm median is reported as that side's compile seconds. Each timed round then
+    measures the same work on both sides: b rows x (new_tokens - 1) decode steps after
+    the prefill (the first token comes from the prefill's logits in both).
+    """
+    b = len(prompts)
+    gen_first = _generate_run(served, prompts, new_tokens)
+    eng_first = [_engine_run(e, prompts, new_tokens, f"warm{i}") for i, e in enumerate(engines)]
+    gen, eng, eng2 = [], [], []
+    for r in range(rounds):
+        gen.append(_generate_run(served, prompts, new_tokens))
+        eng.append(_engine_run(engines[0], prompts, new_tokens, f"a{r}"))
+        eng2.append(_engine_run(engines[1], prompts, new_tokens, f"b{r}"))
+    gen_rounds = [b * (new_tokens - 1) / g["decode_s"] for g in gen]
+    eng_rounds = [b * e["decode_steps"] / e["decode_s"] for e in eng]
+    gen_tok_s, eng_tok_s = float(np.median(gen_rounds)), float(np.median(eng_rounds))
+    step = float(np.median([e["step_s"] for e in eng]))
+    step2 = float(np.median([e["step_s"] for e in eng2]))
+
+    def compile_s(first, warm):  # the first whole batch's excess over a warm one
+        return max(first["wall_s"] - float(np.median([w["wall_s"] for w in warm])), 0.0)
+    row = {"generate_tok_s": gen_tok_s, "engine_tok_s": eng_tok_s,
+           "engine_over_generate": eng_tok_s / gen_tok_s,
+           "engine_2x_max_len_tok_s": b / step2, "step_ms": step * 1e3,
+           "step_2x_max_len_ms": step2 * 1e3,
+           "generate_compile_s": compile_s(gen_first, gen),
+           "engine_compile_s": compile_s(eng_first[0], eng),
+           "generate_tok_s_rounds": gen_rounds, "engine_tok_s_rounds": eng_rounds}
+    for k in ("forward", "detokenize", "host"):
+        row[f"{k}_share"] = float(np.median([e[k] for e in eng]))
+    return row
 
 
 def release_compiled() -> None:
@@ -151,20 +197,9 @@ def run(config, out_dir) -> common.Report:
                 prefill_chunk=config.prefill_chunk, prefix_cache=False, max_queue=b,
                 stop_token_ids=())  # as generate: every row decodes new_tokens
                 for max_len in (config.max_len, 2 * config.max_len)]
-            gen, eng, eng2 = [], [], []
-            for r in range(config.rounds):
-                gen.append(_generate_tok_s(served, prompts, config.new_tokens))
-                eng.append(_engine_run(engines[0], prompts, config.new_tokens, f"a{r}"))
-                eng2.append(_engine_run(engines[1], prompts, config.new_tokens, f"b{r}"))
-            step = float(np.median([e["step_s"] for e in eng]))
-            step2 = float(np.median([e["step_s"] for e in eng2]))
-            g = float(np.median(gen))
-            row = {"codec": codec, "batch": b, "generate_tok_s": g, "engine_tok_s": b / step,
-                   "engine_over_generate": b / step / g,
-                   "engine_2x_max_len_tok_s": b / step2, "step_ms": step * 1e3,
-                   "step_2x_max_len_ms": step2 * 1e3}
-            for k in ("forward", "detokenize", "host"):
-                row[f"{k}_share"] = float(np.median([e[k] for e in eng]))
+            row = {"codec": codec, "batch": b,
+                   **_timed_setting(served, engines, prompts, config.new_tokens,
+                                    config.rounds)}
             print(row, flush=True)
             rows.append(row)
             del engines
@@ -184,7 +219,10 @@ def run(config, out_dir) -> common.Report:
                 "measured": r["step_2x_max_len_ms"] / r["step_ms"],
                 "met": r["step_2x_max_len_ms"] / r["step_ms"] < 1.1} for r in rows]
     notes = [f"{config.prompt_tokens}-token random prompts, {config.new_tokens} greedy tokens, "
-             f"{config.rounds} interleaved rounds, medians; engine max_len {config.max_len} "
+             f"both sides warmed by one untimed batch, then {config.rounds} interleaved "
+             "rounds, medians; tok/s = rows x decode steps / their wall seconds on both "
+             "sides (prefill outside; compile seconds = the first batch's excess over a "
+             "warm one, in their own columns); engine max_len {config.max_len} "
              f"(and {2 * config.max_len}), prefix cache off; generate's cache holds exactly "
              "prompt + new tokens",
              "shares: of the engine's step() wall time over a whole run (prefill steps "

@@ -44,9 +44,41 @@ def test_overhead_benchmark(gguf, tmp_path):
     for r in result["rows"]:
         assert r["generate_tok_s"] > 0 and r["engine_tok_s"] > 0
         assert 0 < r["forward_share"] <= 1 and r["host_share"] < 1
+        assert r["generate_compile_s"] >= 0 and r["engine_compile_s"] >= 0
+        assert len(r["generate_tok_s_rounds"]) == len(r["engine_tok_s_rounds"]) == 1
     assert len(result["claims"]) == 4
     assert len(result["extra"]["profile"]) == 6  # 3 sampler rows, 3 pool sizes
     assert all(r["ms"] > 0 for r in result["extra"]["profile"])
+
+
+def test_overhead_timing_warms_both_sides_and_reports_compile_apart(monkeypatch):
+    """The first batch of each side (its compile) is never a timed round: with a first
+    call 10 s slower, both tok/s come from the warm rounds alone and the 10 s shows up in
+    the compile columns; both sides are timed over the same b x (new_tokens - 1) steps."""
+    from experiments.serving import overhead_experiment as ox
+    calls = {"gen": 0, "eng": 0}
+
+    def fake_generate(model, prompts, new_tokens):
+        calls["gen"] += 1
+        extra = 10.0 if calls["gen"] == 1 else 0.0
+        return {"wall_s": 1.5 + extra, "decode_s": 1.0 + extra}
+
+    def fake_engine(engine, prompts, new_tokens, tag):
+        calls["eng"] += 1
+        extra = 10.0 if tag.startswith("warm") else 0.0
+        return {"wall_s": 1.0 + extra, "decode_s": 0.5 + extra,
+                "decode_steps": new_tokens - 1, "step_s": 0.5 / (new_tokens - 1),
+                "forward": 0.9, "detokenize": 0.05, "host": 0.05}
+    monkeypatch.setattr(ox, "_generate_run", fake_generate)
+    monkeypatch.setattr(ox, "_engine_run", fake_engine)
+    row = ox._timed_setting(None, [object(), object()], [[1, 2]] * 4, new_tokens=11,
+                            rounds=3)
+    assert calls == {"gen": 4, "eng": 2 + 2 * 3}  # one warm-up each, then 3 rounds
+    assert row["generate_tok_s"] == pytest.approx(4 * 10 / 1.0)
+    assert row["engine_tok_s"] == pytest.approx(4 * 10 / 0.5)
+    assert row["engine_over_generate"] == pytest.approx(2.0)
+    assert row["generate_compile_s"] == pytest.approx(10.0)
+    assert row["engine_compile_s"] == pytest.approx(10.0)
 
 
 @pytest.mark.slow  # ~45 s, as above
