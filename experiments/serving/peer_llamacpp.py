@@ -1,15 +1,26 @@
-r"""Peer comparison: servax's server vs llama-cpp-python's OpenAI-compatible server.
+r"""Peer comparison: servax's server vs llama.cpp's own batching server (`llama-server`
+with parallel slots and continuous batching) and llama-cpp-python's OpenAI server.
 
 Command:   flock /work/bench.lock python -m experiments.run \
                --config=experiments/serving/peer_llamacpp.py:small   (or :saturation)
-Needs:     a Python with `llama-cpp-python[server]` (config.peer_python; not a servax
-           dependency, so this script is not part of CI or `make test`).
-Hardware:  CPU, the same machine for both servers, one server running at a time.
+Needs:     (not servax dependencies, so this script is not part of CI or `make test`)
+           - `llama-server` (config.llama_server), built from the llama.cpp source that
+             llama-cpp-python vendors (its sdist's vendor/llama.cpp):
+               cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+                 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
+               cmake --build build --target llama-server -j2
+           - a Python with `llama-cpp-python[server]` (config.peer_python). It may be
+             installed with CMAKE_ARGS=-DLLAMA_BUILD=OFF and pointed at the libllama of
+             the build above (config.peer_lib_path -> LLAMA_CPP_LIB_PATH): the same
+             source and compiler flags for both llama.cpp peers, and one build, not two.
+Hardware:  CPU, the same machine for all servers, one server running at a time.
 Expected:  the same seeded streaming load (experiments/serving/loadgen.py) at each rate
-           against both servers, same GGUF (SmolLM2-135M-Instruct Q4_1), greedy; a table
-           and latency/throughput-vs-rate plots. llama-cpp-python serves one request at a
-           time (no batching in its server) with quantized-weight kernels; servax
-           dequantizes to f32 and batches continuously in XLA.
+           against every server, same GGUF (SmolLM2-135M-Instruct Q4_1), greedy; a table
+           and latency/throughput-vs-rate plots. llama-server decodes its `peer_slots`
+           slots in one batch (continuous batching, the way its users serve concurrency);
+           llama-cpp-python's server handles one request at a time; both use ggml's
+           quantized-weight kernels. servax dequantizes to f32 and batches continuously
+           in XLA.
 """
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ from experiments import common
 from experiments.serving import loadgen as lg
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+SERVERS = ("servax", "llama-server", "llama.cpp")  # llama.cpp: llama-cpp-python's server
 # dev/test protocol declarations (experiments/protocol.py where it exists): nothing here
 # is tuned; engine sizes and SLOs were set a priori for a 2-core CPU
 TECHNIQUE = "serving_peer_llamacpp"
@@ -56,12 +68,16 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.seed = 0
     c.gguf_path = ""
     c.peer_python = "/work/peer-venv/bin/python"
-    c.servers = ("servax", "llama.cpp")
+    c.peer_lib_path = ""  # LLAMA_CPP_LIB_PATH for peer_python's llama_cpp ("": its own)
+    c.llama_server = ("/work/peer/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/"
+                      "llama-server")
+    c.servers = ("servax", "llama-server", "llama.cpp")
     c.threads = os.cpu_count() or 1
     c.rates = (0.5, 1.0, 2.0) if small else (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
     c.n_requests = 8 if small else 48
     if arg == "saturation":
         c.rates, c.n_requests = (4.0, 8.0, 16.0), 32
+    c.peer_slots = 8  # llama-server -np: as many sequences decoded together as servax's max_batch
     c.servax = ml_collections.ConfigDict(dict(
         kv_codec="bf16", n_blocks=128, block_size=16, max_batch=8, max_len=384,
         token_budget=64, prefill_chunk=32, max_queue=1024))
@@ -124,29 +140,56 @@ def _command(name: str, config, port: int, gguf: str) -> list[str]:
                 f"--token_budget={s.token_budget}", f"--prefill_chunk={s.prefill_chunk}",
                 f"--max_queue={s.max_queue}",
                 "--log_level=warning"]
+    if name == "llama-server":
+        slots = config.peer_slots
+        # -c is the whole KV cache, split over the slots: each slot holds servax's max_len;
+        # --no-repack: ggml's AMX repacked Q4_1 matmul segfaults in this VM (see above)
+        return [config.llama_server, "--model", gguf, "--alias", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "--threads", str(config.threads),
+                "--threads-batch", str(config.threads), "--parallel", str(slots),
+                "--cont-batching", "--ctx-size", str(slots * config.servax.max_len),
+                "--no-repack", "--no-webui"]
     if name == "llama.cpp":
         return [config.peer_python, "-c", PEER_LAUNCHER, "--model", gguf,
                 "--model_alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                 "--n_ctx", str(config.servax.max_len), "--n_threads", str(config.threads),
                 "--interrupt_requests", "False", "--verbose", "False"]
-    raise ValueError(f"unknown server {name!r}; expected 'servax' or 'llama.cpp'")
+    raise ValueError(f"unknown server {name!r}; expected one of {SERVERS}")
 
 
-def _peer_version(config) -> str:
+def _peer_env(config, env: dict) -> dict:
+    if config.peer_lib_path:
+        return dict(env, LLAMA_CPP_LIB_PATH=config.peer_lib_path)
+    return env
+
+
+def _peer_version(config, env: dict) -> str:
     out = subprocess.run([config.peer_python, "-c",
                           "import llama_cpp; print(llama_cpp.__version__)"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,
+                         env=_peer_env(config, env))
     return out.stdout.strip() or f"unknown ({out.stderr.strip()[-200:]})"
+
+
+def _llama_server_version(config) -> str:
+    out = subprocess.run([config.llama_server, "--version"], capture_output=True, text=True,
+                         timeout=60)
+    text = (out.stdout + out.stderr).strip().splitlines()
+    return next((line for line in text if line.startswith("version")), "unknown")
 
 
 def run(config, out_dir) -> common.Report:
     from research.model import default_gguf_path, load
-    unknown = set(config.servers) - {"servax", "llama.cpp"}
+    unknown = set(config.servers) - set(SERVERS)
     if unknown:
-        raise ValueError(f"config.servers has unknown names {sorted(unknown)}")
+        raise ValueError(f"config.servers has unknown names {sorted(unknown)}; "
+                         f"expected names from {SERVERS}")
     if "llama.cpp" in config.servers and not Path(config.peer_python).is_file():
         raise FileNotFoundError(f"config.peer_python={config.peer_python!r} does not exist; "
                                 "point it at a Python with llama-cpp-python[server]")
+    if "llama-server" in config.servers and not Path(config.llama_server).is_file():
+        raise FileNotFoundError(f"config.llama_server={config.llama_server!r} does not "
+                                "exist; build llama.cpp's llama-server (see the docstring)")
     gguf = config.gguf_path or str(default_gguf_path())
     _, tok = load(gguf)
     w = config.workload
@@ -156,18 +199,23 @@ def run(config, out_dir) -> common.Report:
                                   max_prompt=w.max_prompt, max_output=w.max_output)
                  for k, rate in enumerate(config.rates)]
     warm = lg.sharegpt_like(tok, 2, math.inf, config.seed + 999, split=w.split)
-    rows, extra = [], {"llama_cpp_python": _peer_version(config), "gguf": Path(gguf).name,
-                       "threads": config.threads}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    rows, extra = [], {"gguf": Path(gguf).name, "threads": config.threads}
+    if "llama.cpp" in config.servers:
+        extra["llama_cpp_python"] = _peer_version(config, env)
+        extra["llama_cpp_python_lib"] = config.peer_lib_path or "its own build"
+    if "llama-server" in config.servers:
+        extra["llama_server"] = _llama_server_version(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     for name in config.servers:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         log = out_dir / f"{name}.log"
         with open(log, "w") as logf:
             t0 = time.perf_counter()
-            proc = subprocess.Popen(_command(name, config, port, gguf), cwd=ROOT, env=env,
+            proc = subprocess.Popen(_command(name, config, port, gguf), cwd=ROOT,
+                                    env=_peer_env(config, env) if name == "llama.cpp" else env,
                                     stdout=logf, stderr=subprocess.STDOUT)
             try:
                 _wait_ready(url, proc, config.start_timeout_s, log)
@@ -193,30 +241,46 @@ def run(config, out_dir) -> common.Report:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    notes = [f"same seeded workloads for both servers ({config.n_requests} requests per rate, "
-             f"Poisson arrivals, greedy, streaming /v1/completions); GGUF {extra['gguf']}; "
-             f"llama-cpp-python {extra['llama_cpp_python']} with n_threads={config.threads}, "
-             f"interrupt_requests=False and weight repacking off (ggml's AMX path segfaults in this "
-             f"VM); servax {dict(config.servax)}",
-             "output tokens are counted as SSE chunks carrying text (both servers send one "
-             "token per chunk); each server stops at its own EOS, so mean_out_tokens can differ",
-             f"SLOs: TTFT <= {config.slo.ttft_s} s, TPOT <= {config.slo.tpot_s} s",
-             "load_1min: the machine's 1-minute load average after each rate (2 cores; "
-             "above ~2 other processes shared the CPU with the server under test)"]
+    notes = [f"same seeded workloads for every server ({config.n_requests} requests per "
+             f"rate, Poisson arrivals, greedy, streaming /v1/completions); GGUF "
+             f"{extra['gguf']}; {config.threads} threads each; servax {dict(config.servax)}"]
+    if "llama-server" in config.servers:
+        notes.append(f"llama-server ({extra['llama_server']}, llama.cpp vendored by "
+                     f"llama-cpp-python 0.3.36): --parallel {config.peer_slots} "
+                     f"--cont-batching, --ctx-size {config.peer_slots} x "
+                     f"{config.servax.max_len}, weight repacking off (--no-repack: ggml's "
+                     "AMX path segfaults in this VM)")
+    if "llama.cpp" in config.servers:
+        notes.append(f"llama.cpp = llama-cpp-python {extra['llama_cpp_python']}'s server "
+                     f"(library: {extra['llama_cpp_python_lib']}), one request at a time, "
+                     "interrupt_requests=False, weight repacking off")
+    notes += ["output tokens are counted as SSE chunks carrying text (every server sends one "
+              "token per chunk); each server stops at its own EOS, so mean_out_tokens can "
+              "differ",
+              f"SLOs: TTFT <= {config.slo.ttft_s} s, TPOT <= {config.slo.tpot_s} s",
+              "load_1min: the machine's 1-minute load average after each rate (2 cores; "
+              "above ~2 other processes shared the CPU with the server under test)"]
     by = {(r["server"], r["rate"]): r["out_tok_s"] for r in rows}
+    claims = []
     for rate in config.rates:
-        if ("servax", rate) in by and by.get(("llama.cpp", rate)):
-            notes.append(f"rate {rate}: servax / llama.cpp output tok/s = "
-                         f"{by[('servax', rate)] / by[('llama.cpp', rate)]:.2f}x")
-    return common.Report(columns=COLUMNS, rows=rows, extra=extra, notes=notes,
-                         title="servax vs llama-cpp-python server, same load, same machine",
+        for peer in ("llama-server", "llama.cpp"):
+            if ("servax", rate) in by and by.get((peer, rate)):
+                ratio = by[("servax", rate)] / by[(peer, rate)]
+                notes.append(f"rate {rate}: servax / {peer} output tok/s = {ratio:.2f}x")
+                if peer == "llama-server" and rate == max(config.rates):
+                    claims.append({"claim": f"servax / llama-server (batching peer) output "
+                                            f"tok/s at saturation ({rate} req/s offered)",
+                                   "target": ">= 1.5", "measured": ratio,
+                                   "met": ratio >= 1.5})
+    return common.Report(columns=COLUMNS, rows=rows, extra=extra, notes=notes, claims=claims,
+                         title="servax vs llama.cpp's servers, same load, same machine",
                          plot=_plot(rows, config.servers))
 
 
 def _plot(rows, servers):
     def draw(fig):
         a, b = fig.subplots(1, 2)
-        for name, style in zip(servers, ("o-", "s-")):
+        for name, style in zip(servers, ("o-", "s-", "^-")):
             rs = [r for r in rows if r["server"] == name]
             rates = [r["rate"] for r in rs]
             a.plot(rates, [r["ttft_p50_ms"] for r in rs], style, label=f"{name} TTFT p50")
