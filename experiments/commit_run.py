@@ -12,8 +12,10 @@ records of runs not committed and of aborted runs included, since a scoring coun
 its numbers are kept or not. Merging is idempotent (records are matched by id).
 
 A committed run made at another git commit is not overwritten unless --force: its numbers
-are cited, and replacing them is a decision. Nothing is committed to git; the command
-prints what to `git add`.
+are cited, and replacing them is a decision. A test run whose counts did not read the
+committed ledger (`experiments.run --ledger_base=none` or another folder) is refused, with
+or without --force: its "re-scored" counts would miss the committed records (issue 45).
+Nothing is committed to git; the command prints what to `git add`.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from experiments import common, protocol
 
 
 class CommitError(ValueError):
-    """A run that cannot be committed (missing, or would overwrite another commit's run)."""
+    """A run that cannot be committed (missing, would overwrite another commit's run, its
+    counts did not read the committed ledger, or its item record is missing)."""
 
 
 def _commit_of(run_dir: Path) -> str | None:
@@ -47,7 +50,7 @@ def check(run: str, workdir: Path, results_dir: Path, force: bool = False) -> li
                           f"(python -m experiments.run ... --workdir={workdir})")
     payload = json.loads((src / "results.json").read_text())
     new = (payload.get("git") or {}).get("commit")
-    warnings = []
+    warnings = _ledger_checks(run, payload, workdir, results_dir)
     if (payload.get("git") or {}).get("dirty"):
         warnings.append(f"{run}: run from a tree with uncommitted changes "
                         f"({payload['git'].get('dirty_count')} path(s)); its commit "
@@ -61,6 +64,45 @@ def check(run: str, workdir: Path, results_dir: Path, force: bool = False) -> li
         if old != new:
             warnings.append(f"{run}: replacing the run of commit {(old or '?')[:12]}")
     return warnings
+
+
+def _ledger_checks(run: str, payload: dict, workdir: Path, results_dir: Path) -> list[str]:
+    """CommitError for a test run whose counts did not read the ledger it is committed to
+    (`--ledger_base=none` or another folder: its "re-scored" counts miss the committed
+    records) or whose item-ledger record is in neither ledger (its scoring would go
+    unrecorded); warnings for a run made before the runner recorded its ledger base."""
+    block = payload.get("protocol") or {}
+    if block.get("split") != "test":
+        return []  # a dev run counts nothing
+    committed = (results_dir / "ledger").resolve()
+    out = []
+    if "ledger_base" not in block:
+        out.append(f"{run}: made before the runner recorded which ledger its counts read "
+                   "(issue 45): not checked that they read the committed one")
+    else:
+        base = block["ledger_base"]
+        ok = ((base == protocol.COMMITTED_BASE
+               and results_dir.resolve() == common.RESULTS_DIR.resolve())
+              or (base not in (None, protocol.COMMITTED_BASE)
+                  and Path(base).resolve() == committed))
+        if not ok:
+            made = ("--ledger_base=none (its workdir's records alone)" if base is None
+                    else f"--ledger_base={base}")
+            raise CommitError(
+                f"{run} was run with {made}, not the committed ledger {committed}: its "
+                "re-scored counts miss the committed records, so it cannot be committed; "
+                "rerun it without --ledger_base (its records in the workdir's ledger are "
+                f"still merged by: python -m experiments.commit_run --workdir={workdir})")
+    items = block.get("items") or {}
+    sid, technique = items.get("scoring_id"), block.get("technique")
+    if sid and technique:
+        held = [r["id"] for d in (workdir / "ledger", results_dir / "ledger")
+                for r in protocol.read_item_ledger(technique, d)["scorings"]]
+        if sid not in held:
+            raise CommitError(
+                f"{run}: its item-ledger record {sid} is in neither {workdir}/ledger nor "
+                f"{results_dir}/ledger: its test items would go unrecorded")
+    return out
 
 
 def copy_run(run: str, workdir: Path, results_dir: Path) -> list[str]:

@@ -165,6 +165,22 @@ def record_test_scoring(technique: str, run_name: str, defaults: dict, *,
             "defaults_chosen_on": chosen_on, "test_scorings": entry["test_scorings"]}
 
 
+COMMITTED_BASE = "results/ledger"  # results.json["protocol"]["ledger_base"] of a run
+# whose counts read this checkout's committed ledger (LEDGER_DIR)
+
+
+def ledger_base_label(base_ledger_dir: Path | str | None) -> str | None:
+    """What results.json["protocol"]["ledger_base"] records of the ledger a run's counts
+    read beside its workdir's: COMMITTED_BASE for the committed ledger (LEDGER_DIR, so the
+    label is the same on any machine), another folder's absolute path, None for none
+    (`--ledger_base=none`). `experiments.commit_run` refuses a test run whose counts did
+    not read the committed ledger it is committed to."""
+    if base_ledger_dir is None:
+        return None
+    base = Path(base_ledger_dir).resolve()
+    return COMMITTED_BASE if base == LEDGER_DIR.resolve() else str(base)
+
+
 def validate(module, config) -> str:
     """The run's split; ValueError when the module does not declare TECHNIQUE,
     defaults(config) and DEFAULTS_CHOSEN_ON or config.split is not dev/test. Called by
@@ -321,11 +337,41 @@ def content_item(kind: str, content: Any, what: str | None = None) -> Item:
     return Item(kind, sha(f"{kind}\x00{text}"), what or text[:120])
 
 
-def run_item(technique: str, run_name: str) -> Item:
-    """The fallback item of a module that does not list its test items: the run name
-    itself, so at least a rerun under the same name is counted."""
-    return content_item("run", [technique, run_name],
-                        f"{technique}/{run_name}: items not listed (module has no test_items)")
+# config keys that name or place a run without changing what it scores: left out of
+# `config_fingerprint`, so renaming a run does not make its run item new
+COSMETIC_CONFIG_KEYS = ("run_name", "out_dir", "workdir")
+
+
+def config_fingerprint(config) -> str:
+    """sha256 (16 hex digits) of the run's config without its cosmetic keys (run_name,
+    out_dir, workdir): equal for the same run under another name."""
+    plain = _plain(config)
+    if not isinstance(plain, dict):
+        raise TypeError(f"a config is a dict or ConfigDict, got {type(config).__name__}")
+    return fingerprint({k: v for k, v in plain.items() if k not in COSMETIC_CONFIG_KEYS})
+
+
+def _name_item_key(technique: str, run_name: str) -> str:
+    """The key the run item had when it was keyed by run name (records made before
+    issue 45): kept as an alias so those records still count."""
+    return content_item("run", [technique, run_name]).key
+
+
+def run_item(technique: str, config) -> Item:
+    """The fallback item of a module that does not list its test items, keyed by the
+    config's fingerprint (`config_fingerprint`), so a rerun of the same config under any
+    name is counted. Its `chunks` are aliases matched against recorded items' keys and
+    chunks (`prior_counts`): the fingerprint key and the run-name key that earlier records
+    (keyed by name) hold, so a rerun under the same name counts them too. A str `config`
+    (a bare run name) gives the run-name item alone, as recorded before issue 45."""
+    if isinstance(config, str):
+        return Item("run", _name_item_key(technique, config),
+                    f"{technique}/{config}: items not listed (module has no test_items)")
+    fp = config_fingerprint(config)
+    key = content_item("run", [technique, {"config_fingerprint": fp}]).key
+    return Item("run", key, f"{technique}/{config.get('run_name')} (config {fp}): items not "
+                "listed (module has no test_items)",
+                (key, _name_item_key(technique, config.get("run_name", ""))))
 
 
 def item_ledger_path(technique: str, ledger_dir: Path | str | None = None) -> Path:
@@ -445,8 +491,9 @@ def prior_counts(items: list[Item], ledger_dir: Path | str | None = None,
     out = []
     for item in items:
         refs = {r for r in by_key.get(item.key, ())}
-        for c in item.chunks:
+        for c in item.chunks:  # a chunk equal to a recorded key: a run item's alias
             refs.update(by_chunk.get(c, ()))
+            refs.update(by_key.get(c, ()))
         per: dict[str, int] = {}
         for t, _, n in refs:
             per[t] = per.get(t, 0) + n
@@ -574,8 +621,7 @@ def list_test_items(module, config) -> list[Item]:
     """`module.test_items(config)` (the items the run will score), or the run-name
     fallback item for a module that cannot list them."""
     fn = getattr(module, "test_items", None)
-    items = list(fn(config)) if fn is not None else [run_item(module.TECHNIQUE,
-                                                              config.run_name)]
+    items = list(fn(config)) if fn is not None else [run_item(module.TECHNIQUE, config)]
     if not items or not all(isinstance(i, Item) for i in items):
         raise ValueError(f"{module.__name__}.test_items must return a non-empty list of "
                          "protocol.Item")

@@ -35,7 +35,9 @@ _WORKDIR = flags.DEFINE_string(
     "checkout, ignored by git); `python -m experiments.commit_run` copies a run to results/")
 _LEDGER_BASE = flags.DEFINE_string(
     "ledger_base", None, "the committed ledger whose records count as prior scorings (read "
-    "only; default results/ledger/ of this checkout; 'none' counts the workdir's alone)")
+    "only; default results/ledger/ of this checkout; 'none' counts the workdir's alone: "
+    "for trying things out, since experiments.commit_run refuses a test run that did not "
+    "read the committed ledger)")
 _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices", None, "simulate this many CPU devices (XLA host platform); "
     "defaults to config.host_devices when the config has it")
@@ -140,6 +142,7 @@ def main(argv) -> None:
         base_ledger_dir=base_ledger_dir,
         run_id=declared.scoring_id if declared is not None else None)
     block["items"] = declared.block("completed") if declared is not None else None
+    block["ledger_base"] = protocol.ledger_base_label(base_ledger_dir)  # commit_run checks
     protocol.annotate_report(report, block["items"])
     common.write_results(report, out_dir, config.to_dict(), config.seed, command, elapsed,
                          git=git, protocol=block)

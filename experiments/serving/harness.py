@@ -9,9 +9,12 @@ What:      SmolLM2-135M-Instruct served by `research.serving.server` (real uvico
            (`local-completions`, `tokenizer_backend=remote`) runs the same local tasks
            against each: the multiple-choice, perplexity and generation tasks of
            tests/serving/lm_eval_tasks, plus a perplexity task over the paragraphs of the
-           embedded corpus's test split (`servax_corpus_ppl`). Per variant: accuracy,
-           perplexities, exact match and the harness's requests/s (loglikelihood +
-           rolling + generation requests / wall time of the evaluation).
+           embedded corpus's test split (`servax_corpus_ppl`; `--config.split=dev` reads
+           the dev half instead and records nothing). A test run declares each paragraph
+           as an item (the item ledger) and reports how many were scored before.
+           Per variant: accuracy, perplexities, exact match and the harness's
+           requests/s (loglikelihood + rolling + generation requests / wall time of the
+           evaluation).
 Expected:  bf16 and int8 KV within noise of f32; TaSQ 1-bit and DynaCore cost some
            perplexity (their own experiments measure how much on held-out text).
 Nothing is chosen on these tasks: codec and weight settings are the library's / their
@@ -37,7 +40,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.block_size = 16
     c.max_batch = 4
     c.batch_size = 4  # prompts per harness request
-    c.corpus_docs = 24 if arg == "small" else 0  # paragraphs of the test split (0 = all)
+    c.corpus_docs = 24 if arg == "small" else 0  # paragraphs of the split (0 = all)
     c.calibration_seqs = 4 if arg == "small" else 16
     c.split = "test"
     return c

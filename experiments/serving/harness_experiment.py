@@ -24,11 +24,14 @@ def defaults(config) -> dict:
     return {k: config[k] for k in ("variants", "max_len", "block_size", "calibration_seqs")}
 
 
-def corpus_docs(tok, max_len: int, n_docs: int) -> list[str]:
-    """The pydoc test split's paragraphs servax_corpus_ppl scores (each cut to fit one
-    window of `max_len` tokens; the first `n_docs`, 0 = all)."""
+def corpus_docs(tok, max_len: int, n_docs: int, split: str = "test") -> list[str]:
+    """The paragraphs of the pydoc `split` half (the run's config.split: "test", or "dev"
+    for a dev run) that servax_corpus_ppl scores (each cut to fit one window of `max_len`
+    tokens; the first `n_docs`, 0 = all)."""
+    if split not in protocol.SPLITS:
+        raise ValueError(f"split must be one of {protocol.SPLITS}, got {split!r}")
     docs = []
-    for p in data.prose_paragraphs(data.corpus_text("test")):
+    for p in data.prose_paragraphs(data.corpus_text(split)):
         ids = tok.encode(p)
         if len(ids) < 16:
             continue
@@ -37,30 +40,35 @@ def corpus_docs(tok, max_len: int, n_docs: int) -> list[str]:
 
 
 def test_items(config) -> list:
-    """The corpus paragraphs this run scores (the item ledger, experiments/protocol.py);
-    the local plumbing tasks (tests/serving/lm_eval_tasks) are fixtures, not test text."""
+    """The corpus paragraphs this run scores, one item each (the item ledger,
+    experiments/protocol.py: the runner counts their earlier scorings); the local plumbing
+    tasks (tests/serving/lm_eval_tasks) are fixtures, not test text."""
     tok = common.tokenizer_only(config.gguf_path or None)
-    return [protocol.window_item(tok.encode(d), f"pydoc test half paragraph {i} "
+    split = config.get("split", "test")
+    return [protocol.window_item(tok.encode(d), f"pydoc {split} half paragraph {i} "
                                                 "(harness corpus)")
-            for i, d in enumerate(corpus_docs(tok, config.max_len, config.corpus_docs))]
+            for i, d in enumerate(corpus_docs(tok, config.max_len, config.corpus_docs,
+                                              split))]
 
 
-def write_tasks(out: pathlib.Path, tok, max_len: int, n_docs: int) -> pathlib.Path:
+def write_tasks(out: pathlib.Path, tok, max_len: int, n_docs: int,
+                split: str = "test") -> pathlib.Path:
     """The tests' task YAMLs with absolute data paths, plus servax_corpus_ppl over the
-    test split's paragraphs (`corpus_docs`)."""
+    `split` half's paragraphs (`corpus_docs`)."""
     out.mkdir(parents=True, exist_ok=True)
     for y in TASK_DIR.glob("*.yaml"):
         text = y.read_text().replace("tests/serving/lm_eval_tasks/data",
                                      str(TASK_DIR / "data"))
         (out / y.name).write_text(text)
-    docs = corpus_docs(tok, max_len, n_docs)
-    with open(out / "corpus_test.jsonl", "w") as f:
+    docs = corpus_docs(tok, max_len, n_docs, split)
+    corpus = out / f"corpus_{split}.jsonl"
+    with open(corpus, "w") as f:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
     (out / "servax_corpus_ppl.yaml").write_text(
         (TASK_DIR / "servax_ppl.yaml").read_text()
         .replace("task: servax_ppl", "task: servax_corpus_ppl")
-        .replace("tests/serving/lm_eval_tasks/data/ppl.jsonl", str(out / "corpus_test.jsonl")))
+        .replace("tests/serving/lm_eval_tasks/data/ppl.jsonl", str(corpus)))
     return out
 
 
@@ -115,8 +123,9 @@ def run(config, out_dir) -> common.Report:
     os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="servax-hf-"))
     from research.model import load
     model, tok = load(config.gguf_path or None)
+    split = config.get("split", "test")
     task_dir = write_tasks(pathlib.Path(out_dir) / "tasks", tok, config.max_len,
-                           config.corpus_docs)
+                           config.corpus_docs, split)
     rows, raw = [], {}
     for variant in config.variants:
         served = served_model(model, tok, variant, config)
@@ -148,7 +157,8 @@ def run(config, out_dir) -> common.Report:
         extra={"harness": raw, "lm_eval": __import__("lm_eval").__version__},
         notes=["tasks: tests/serving/lm_eval_tasks (6 multiple-choice questions, 3 "
                "documents, 4 generation prompts: plumbing-sized, their accuracy is noise) "
-               "and servax_corpus_ppl (paragraphs of the embedded corpus's test split)",
+               f"and servax_corpus_ppl ({config.corpus_docs or 'all'} paragraphs of the "
+               f"embedded corpus's {split} split, one item each in the item ledger)",
                "requests/s: harness requests (one per choice / document / generation) over "
                "the evaluation's wall time, batch_size prompts per HTTP request, on a "
                "shared 2-core CPU; DynaCore's loglikelihoods use its prefill (W8A8) weights"])

@@ -40,10 +40,10 @@ def quality_windows(tok, config) -> np.ndarray:
 
 def test_items(config) -> list:
     """The quality windows this run scores; a speed-only run (quality.windows 0, as the
-    runs before issue 34's quality column) scores no text and declares its run-name item,
-    so at least its reruns are counted."""
+    runs before issue 34's quality column) scores no text and declares its run item
+    (keyed by its config's fingerprint), so at least its reruns are counted."""
     if not config.get("quality") or not config.quality.windows:
-        return [protocol.run_item(TECHNIQUE, config.run_name)]
+        return [protocol.run_item(TECHNIQUE, config)]
     tok = common.tokenizer_only(config.gguf_path or None)
     q = config.quality
     return [protocol.window_item(w, f"fresh stdlib-docstring test text tokens "

@@ -84,13 +84,13 @@ print('DynaCore:', generate_text(dc, tokenizer, q, max_new_tokens=16))
 
 # %% [markdown]
 # ## 3. Handoff quality: prefill with one setting, decode with another
-# Two held-out windows of 128 tokens, 64 prefilled; KL(f32 || setting) per decoded token (the
-# experiment uses more windows and reports perplexity too).
+# Two held-out (dev half) windows of 128 tokens, 64 prefilled; KL(f32 || setting) per decoded
+# token (the experiment uses more windows and reports perplexity too).
 
 # %%
 from research import data
 from research.dynacore import evaluate_pairs, windows
-ids = tokenizer.encode(data.corpus_text('heldout'))
+ids = tokenizer.encode(data.corpus_text('dev'))
 test = windows(ids, 128, 2)
 pairs = {name: (m,) * 2 for name, m in models.items()}
 pairs['DynaCore'] = (dc.prefill_model, dc.decode_model)

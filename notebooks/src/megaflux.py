@@ -133,7 +133,7 @@ tc = TrainConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, n_experts=8, top_k
                  expert_ffn_dim=32, seq_len=64, batch_size=8, steps=6, warmup=2)
 result = train(tc, tempfile.mkdtemp(), progress=False)
 print('loss', result.losses[0].round(3), '->', result.losses[-1].round(3))
-ids = encode(data.corpus_text('heldout'))
+ids = encode(data.corpus_text('dev'))
 traces = routing_traces(result.model, ids, n_steps=2, tokens_per_step=8 * 64,
                         seq_len=64)
 h = per_device_histograms(traces[0], 8, 8)[0]

@@ -34,10 +34,10 @@ import numpy as np
 from research import data
 from research.model import load
 model, tokenizer = load()
-ids = tokenizer.encode(data.corpus_text('heldout'))  # never calibrated on
+ids = tokenizer.encode(data.corpus_text('dev'))  # never calibrated on
 calib_ids = np.array(tokenizer.encode(data.corpus_text('calibration')))
 context, continuations = np.array(ids[:256]), np.array(ids[256:320]).reshape(2, 32)
-print(len(ids), 'held-out tokens; context', len(context), 'tokens')
+print(len(ids), 'held-out (dev half) tokens; context', len(context), 'tokens')
 
 # %% [markdown]
 # ## Eviction is a cache

@@ -44,11 +44,14 @@ print(generate_text(model, tokenizer, ['Name a color.'], max_new_tokens=12,
 
 # %% [markdown]
 # ## Perplexity on held-out prose (pydoc_data.topics)
+#
+# The dev half of the held-out text: the test half is scored only by the experiments'
+# test runs, which record every test item they score (docs/protocol.md).
 
 # %%
 from research import data
 from research.eval.perplexity import perplexity
-ids = tokenizer.encode(data.corpus_text('heldout'))
+ids = tokenizer.encode(data.corpus_text('dev'))
 print(perplexity(model, ids, window=128, stride=64, max_windows=4))
 
 # %% [markdown]

@@ -82,7 +82,8 @@ for name, m in [('bf16', bf16_model), ('TaSQ 1-bit', tasq_model)]:
           f'{max_batch_with_codebooks(m, budget, ctx)}')
 
 # %% [markdown]
-# ## Quality on held-out text (2 short windows; the experiment compares every codec on more text)
+# ## Quality on held-out text (2 short windows of the dev half; the experiment compares every
+# codec on more text)
 #
 # A 135M model loses a lot at 1 bit per channel; see the experiment's table for 2 bits and the
 # baselines.
@@ -90,7 +91,7 @@ for name, m in [('bf16', bf16_model), ('TaSQ 1-bit', tasq_model)]:
 # %%
 from research.eval.perplexity import perplexity
 from research.tasq import attention_output_error
-held = tokenizer.encode(data.corpus_text('heldout'))
+held = tokenizer.encode(data.corpus_text('dev'))
 for name, m in [('f32', model), ('TaSQ 1-bit', tasq_model)]:
     p = perplexity(m, held, window=128, stride=64, max_windows=2, batch_size=2)
     print(f'{name:11s} held-out ppl {p.ppl:7.2f}')

@@ -263,4 +263,4 @@ def test_a_speed_only_long_context_run_declares_its_run_item():
     config.quality.windows = 0
     items = protocol.list_test_items(L, config)
     assert [(i.kind, i.key) for i in items] == [
-        ("run", protocol.run_item("serving", config.run_name).key)]
+        ("run", protocol.run_item("serving", config).key)]
