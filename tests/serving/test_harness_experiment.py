@@ -33,3 +33,4 @@ def test_harness_config_and_task_folder(smollm2, tmp_path, monkeypatch):
     sizes = {name: len(list(t.test_docs())) for name, t in tasks.items()}
     assert sizes == {"servax_mc": 6, "servax_ppl": 3, "servax_gen": 4,
                      "servax_corpus_ppl": 5}, sizes
+    harness_experiment.prepare_tasks(config, out)  # the untimed dataset build: no scoring
