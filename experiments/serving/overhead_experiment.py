@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import jax
@@ -18,7 +19,8 @@ DEFAULTS_CHOSEN_ON = "none: random-token prompts and engine sizes set a priori, 
 
 COLUMNS = ["codec", "batch", "generate_tok_s", "engine_tok_s", "engine_over_generate",
            "generate_compile_s", "engine_compile_s", "engine_2x_max_len_tok_s", "step_ms",
-           "step_2x_max_len_ms", "forward_share", "detokenize_share", "host_share"]
+           "step_2x_max_len_ms", "forward_share", "detokenize_share", "host_share",
+           "load_1min"]
 
 
 def defaults(config) -> dict:
@@ -199,7 +201,8 @@ def run(config, out_dir) -> common.Report:
                 for max_len in (config.max_len, 2 * config.max_len)]
             row = {"codec": codec, "batch": b,
                    **_timed_setting(served, engines, prompts, config.new_tokens,
-                                    config.rounds)}
+                                    config.rounds),
+                   "load_1min": round(os.getloadavg()[0], 2)}
             print(row, flush=True)
             rows.append(row)
             del engines
@@ -225,6 +228,9 @@ def run(config, out_dir) -> common.Report:
              "warm one, in their own columns); engine max_len {config.max_len} "
              f"(and {2 * config.max_len}), prefix cache off; generate's cache holds exactly "
              "prompt + new tokens",
+             "load_1min: the machine's 1-minute load average after the setting (2 cores: "
+             "above ~1, other processes shared the CPU; rounds are interleaved so both "
+             "sides saw it alike)",
              "shares: of the engine's step() wall time over a whole run (prefill steps "
              "included): forward calls (device + waiting for tokens), detokenization, host "
              "scheduling"]
