@@ -20,7 +20,9 @@ Event semantics (research/serving/engine.py): every request gets exactly one eve
 (token_id None; the stop token is not output); a stop *string* or max_tokens end it on
 the event of the token that completed it. `text` increments concatenate to the output
 text (never a partial UTF-8 character, never a tail that may become a stop string).
-`abort` queues an "abort" finish event that the next `step()` returns.
+`abort` queues an "abort" finish event that the next `step()` returns. A request that
+fails inside a step (an exception while building its rows) ends with finish_reason
+"error" and the exception's text in `error`; the engine serves the others on.
 A request with `prompt_logprobs` gets its prompt's log-probabilities on its first event;
 with max_new_tokens=0 that is its only event (finish "length", no token: a prefill, no
 decode).
@@ -33,7 +35,7 @@ from typing import Literal
 
 import numpy as np
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_LOGPROBS = 20  # alternatives per token the engine can return (OpenAI chat's limit)
 
 
@@ -148,6 +150,7 @@ class TokenEvent:
     stop_token_id: int | None = None  # the stop token that ended the request (not in text)
     # with SamplingParams.prompt_logprobs: every prompt token's, on the request's first event
     prompt_logprobs: TopLogprobs | None = None
+    error: str | None = None  # with finish_reason "error": what failed
 
 
 @dataclasses.dataclass

@@ -73,6 +73,16 @@ a step). Their programs compile on first use (counted by `metrics().compiles`), 
 `warmup_scoring=True`.
 - Stop strings are matched on the detokenized text of the generated tokens only (not
   across the prompt boundary).
+
+Failures of one request (defence in depth; the server validates first): `add_request`
+builds a new request's per-row arrays (`sampling_rows`, `processor_rows`) once, so a
+setting that does not fit them fails there, for that request only. An exception while
+building a row inside `step()` names its request (`RequestFailed`): the forward is not
+run, the rows' reserved KV lengths are rolled back (`_roll_back`), the request ends with
+finish_reason "error" (its blocks freed) and the others go on next step; an exception
+while accepting one request's new tokens ends that request the same way. Any other
+exception in `step()` (the device, the shared forward) propagates: the engine's state is
+then unknown.
 """
 from __future__ import annotations
 
@@ -115,10 +125,19 @@ def compile_count() -> int:
     return _compiles[0]
 
 
+class RequestFailed(Exception):
+    """Building one request's row of a forward failed (the cause is chained): that request
+    fails, not the engine."""
+
+    def __init__(self, request_id: str):
+        super().__init__(request_id)
+        self.request_id = request_id
+
+
 def sampling_rows(reqs, start, n_new):
     """Per-row sampling settings of a forward's rows (reqs[i] None = padding: greedy):
     temperature, top_k, top_p [R] and PRNG keys [R, 2] from (seed, position of the token
-    to sample = start + n_new)."""
+    to sample = start + n_new). RequestFailed names a row that cannot be built."""
     rows = len(reqs)
     temperature = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
@@ -127,11 +146,42 @@ def sampling_rows(reqs, start, n_new):
     for i, req in enumerate(reqs):
         if req is None:
             continue
-        p = req.params
-        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-        if p.temperature > 0:
-            keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
+        try:
+            p = req.params
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            if p.temperature > 0:
+                keys[i] = token_key(p.seed, int(start[i]) + int(n_new[i]))
+        except Exception as e:
+            raise RequestFailed(req.rid) from e
     return temperature, top_k, top_p, keys
+
+
+def processor_rows(reqs, start, n_new, vocab_size: int):
+    """The logit processors' dense per-row arrays (`process_logits`' arguments): counts
+    of generated tokens, seen tokens (prompt + generated), bias [R, V] and presence,
+    frequency, repetition penalties [R], from the tokens known before each row's sampled
+    one. RequestFailed names a row that cannot be built."""
+    rows, v = len(reqs), vocab_size
+    counts = np.zeros((rows, v), np.float32)
+    seen = np.zeros((rows, v), bool)
+    bias = np.zeros((rows, v), np.float32)
+    pen = np.zeros((3, rows), np.float32)
+    pen[2] = 1.0
+    for i, req in enumerate(reqs):
+        if req is None or not req.params.processed:
+            continue
+        try:
+            p = req.params
+            end = int(start[i]) + int(n_new[i])  # tokens known before the sampled one
+            out = np.asarray(req.tokens[req.n_prompt:end], np.int64)
+            counts[i] = np.bincount(out, minlength=v)[:v]
+            seen[i, np.asarray(req.tokens[:end], np.int64)] = True
+            for tok, b in p.logit_bias:
+                bias[i, tok] += b
+            pen[:, i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        except Exception as e:
+            raise RequestFailed(req.rid) from e
+    return counts, seen, bias, pen[0], pen[1], pen[2]
 
 
 def token_key(seed: int, position: int) -> np.ndarray:
@@ -458,14 +508,18 @@ class ServingEngine:
         return self._prefix(req)
 
     def step(self) -> list[TokenEvent]:
-        """One scheduler iteration: admit, one decode step, prefill chunks."""
+        """One scheduler iteration: admit, one decode step, prefill chunks. A request whose
+        row cannot be built fails alone (finish_reason "error"; see the module docstring)."""
         t0 = time.perf_counter()
-        self._admit()
-        used = 0
-        if any(self._slot_req(s) is not None and self._slot_req(s).state == DECODING
-               for s in range(self.max_batch)):
-            used = self._decode(self.token_budget)
-        prefilled = self._prefill_chunks(self.token_budget - used)
+        used = prefilled = 0
+        try:
+            self._admit()
+            if any(self._slot_req(s) is not None and self._slot_req(s).state == DECODING
+                   for s in range(self.max_batch)):
+                used = self._decode(self.token_budget)
+            prefilled = self._prefill_chunks(self.token_budget - used)
+        except RequestFailed as e:  # the forward did not run; its rows were rolled back
+            self._fail(e.request_id, e.__cause__)
         st = self.step_stats
         st.steps += 1
         st.decode_tokens += used
@@ -722,6 +776,24 @@ class ServingEngine:
         req.slot = None
         self._live.pop(req.rid, None)
 
+    def _roll_back(self, reqs, start) -> None:
+        """Undo a forward's reservations before it runs: row i's sequence back to its
+        length `start[i]` (its KV computed up to there; the blocks reserved past it freed)."""
+        for i, req in enumerate(reqs):
+            if req is not None and req.seq is not None:
+                self.pool.manager.truncate(req.seq, min(int(start[i]),
+                                                        self.pool.manager.length(req.seq)))
+
+    def _fail(self, request_id: str, error: BaseException | None) -> None:
+        """End a live request with finish_reason "error" (its blocks freed)."""
+        req = self._live.get(request_id)
+        if req is None:
+            return
+        self._release(req)
+        req.state = ABORTED
+        self._events.append(TokenEvent(req.rid, None, "", "error", req.n_prompt,
+                                       req.n_cached, error=repr(error)[:500]))
+
     def _end(self, req: _Req, state: str, token: int | None, text: str, reason: str,
              lp=None, stop_token: int | None = None) -> None:
         self._release(req)
@@ -816,7 +888,10 @@ class ServingEngine:
             else:
                 new = [int(sampled[r.slot])]
             out[r.slot] = new
-            self._accept(r, new, [lps[r.slot]] if extended else None)
+            try:
+                self._accept(r, new, [lps[r.slot]] if extended else None)
+            except Exception as e:  # noqa: BLE001 - this request fails, not the engine
+                self._fail(r.rid, e)
         self.state.steps += 1
         return out
 
@@ -859,17 +934,24 @@ class ServingEngine:
             sampled, _ = self._run_forward(tokens, start, n_new, table, reqs, verify=False,
                                            phase="prefill")
         for i, (req, n) in enumerate(rows):
-            if m.length(req.seq) == len(req.tokens):  # the whole context is computed
-                if req.scoring:
-                    self._store_scores(req)
-                if req.params.max_new_tokens == 0:  # scoring only: a prefill, no decode
-                    self._end(req, FINISHED, None, "", "length")
-                    continue
-                self._accept(req, [int(sampled[i])], [lps[i]] if lps is not None else None)
-                if req.state == PREFILLING and req.slot is not None:
-                    self.insert(self._prefix(req), req.slot)
-            else:
-                self._cache_new_blocks(req)
+            try:
+                self._after_prefill(req, int(sampled[i]), lps[i] if lps is not None else None)
+            except Exception as e:  # noqa: BLE001 - this request fails, not the engine
+                self._fail(req.rid, e)
+
+    def _after_prefill(self, req: _Req, sampled: int, lp) -> None:
+        """A prefill row's results: the first token once the whole prompt is computed."""
+        if self.pool.manager.length(req.seq) == len(req.tokens):  # the whole context
+            if req.scoring:
+                self._store_scores(req)
+            if req.params.max_new_tokens == 0:  # scoring only: a prefill, no decode
+                self._end(req, FINISHED, None, "", "length")
+                return
+            self._accept(req, [sampled], [lp] if lp is not None else None)
+            if req.state == PREFILLING and req.slot is not None:
+                self.insert(self._prefix(req), req.slot)
+        else:
+            self._cache_new_blocks(req)
 
     def _prefix(self, req: _Req) -> Prefix:
         done = req.state in (FINISHED, ABORTED)
@@ -882,7 +964,11 @@ class ServingEngine:
         phase: "prefill" or "decode", the model view that runs (Model.for_phase).
         reqs[i]: the request of row i (None = padding); its next token's position is
         start + n_new (keys from (seed, position))."""
-        temperature, top_k, top_p, keys = sampling_rows(reqs, start, n_new)
+        try:
+            temperature, top_k, top_p, keys = sampling_rows(reqs, start, n_new)
+        except RequestFailed:
+            self._roll_back(reqs, start)
+            raise
         self.step_stats.read_slots += table.size * self.pool.block_size
         t0 = time.perf_counter()
         self.pool.pools, sampled, greedy = serve_forward(
@@ -898,35 +984,20 @@ class ServingEngine:
         (sampled [R], greedy [R, 1], per row (logprob, top pairs) of its sampled token);
         with `score`, the scoring rows' prompt positions are filled in as a side effect."""
         rows, t = tokens.shape
-        temperature, top_k, top_p, keys = sampling_rows(reqs, start, n_new)
-        targets = np.zeros((rows, t), np.int32)
         if process is None:
             process = any(r is not None and r.params.processed for r in reqs)
-        v = self.vocab_size
-        proc = None
-        if process:
-            counts = np.zeros((rows, v), np.float32)
-            seen = np.zeros((rows, v), bool)
-            bias = np.zeros((rows, v), np.float32)
-            pen = np.zeros((3, rows), np.float32)
-            pen[2] = 1.0
-        for i, req in enumerate(reqs):
-            if req is None:
-                continue
-            p = req.params
-            if score and req.scoring:  # row i, column j predicts prompt token start+j+1
-                lo, hi = int(start[i]) + 1, min(int(start[i]) + int(n_new[i]) + 1, req.n_prompt)
-                targets[i, :max(0, hi - lo)] = req.tokens[lo:hi]
-            if process and p.processed:
-                end = int(start[i]) + int(n_new[i])  # tokens known before the sampled one
-                out = np.asarray(req.tokens[req.n_prompt:end], np.int64)
-                counts[i] = np.bincount(out, minlength=v)[:v]
-                seen[i, np.asarray(req.tokens[:end], np.int64)] = True
-                for tok, b in p.logit_bias:
-                    bias[i, tok] += b
-                pen[:, i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        if process:
-            proc = (counts, seen, bias, pen[0], pen[1], pen[2])
+        try:
+            temperature, top_k, top_p, keys = sampling_rows(reqs, start, n_new)
+            targets = np.zeros((rows, t), np.int32)
+            for i, req in enumerate(reqs):
+                if score and req is not None and req.scoring:  # row i, column j predicts
+                    lo = int(start[i]) + 1                      # prompt token start + j + 1
+                    hi = min(int(start[i]) + int(n_new[i]) + 1, req.n_prompt)
+                    targets[i, :max(0, hi - lo)] = req.tokens[lo:hi]
+            proc = processor_rows(reqs, start, n_new, self.vocab_size) if process else None
+        except RequestFailed:
+            self._roll_back(reqs, start)
+            raise
         self.step_stats.read_slots += table.size * self.pool.block_size
         t0 = time.perf_counter()
         self.pool.pools, out = serve_forward_ext(
@@ -1018,6 +1089,9 @@ class ServingEngine:
         if not all(0 <= t < self.vocab_size for t, _ in p.logit_bias):
             raise RequestError("logit_bias", f"token ids must be integers in [0, "
                                              f"{self.vocab_size})")
+        if p.top_k > self.vocab_size:
+            raise RequestError("top_k", f"must be at most the vocabulary size "
+                                        f"{self.vocab_size} (0 = off), got {p.top_k}")
         tokens = [int(t) for t in ids]
         req = _Req(request, tokens, len(tokens), TextStream(self.tokenizer, p.stop),
                    frozenset(self.stop_token_ids + tuple(int(t) for t in p.stop_token_ids)))
@@ -1026,7 +1100,19 @@ class ServingEngine:
             req.prompt_lp = np.full(n, np.nan, np.float32)
             req.prompt_top_ids = np.zeros((n, MAX_LOGPROBS), np.int32)
             req.prompt_top_lp = np.full((n, MAX_LOGPROBS), np.nan, np.float32)
+        self._build_rows(req)
         return req
+
+    def _build_rows(self, req: _Req) -> None:
+        """Build `req`'s rows of a forward once, alone, so that a setting which does not
+        fit the per-row arrays fails its request here rather than a shared step later."""
+        zero = np.zeros(1, np.int32)
+        try:
+            sampling_rows([req], zero, zero)
+            if req.params.processed:
+                processor_rows([req], zero, zero, self.vocab_size)
+        except RequestFailed as e:
+            raise e.__cause__ from None
 
 
 @functools.partial(jax.jit, static_argnames=("verify",), donate_argnums=(1,))

@@ -8,7 +8,14 @@ declared and refused with a 400 unless they hold their no-op value.
 
 Body limits: at most `max_body_bytes` (ServerConfig, 8 MiB by default; 413 above it) and
 JSON nested at most MAX_JSON_DEPTH deep (400 above it; a 20,000-deep array used to be a
-500 from the parser's recursion).
+500 from the parser's recursion); a JSON content type (`application/json` or
+`application/*+json`, 415 otherwise); no NaN / Infinity literals (not JSON).
+
+Every number is bounded where it is parsed: an integer that becomes an int32 array on the
+engine (top_k, max_tokens, token ids) is at most INT32_MAX here, and the router checks
+what depends on the model (token ids and top_k against the vocabulary, max_tokens against
+the context). A top_k of 2**31 used to overflow the engine's int32 array on the engine
+thread and stop the engine.
 """
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ MAX_BODY_BYTES = 8 << 20
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; lm-eval tasks send more (their `until` + EOS)
 MAX_N = 16  # choices per prompt
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+INT32_MAX = 2**31 - 1  # the largest value of the engine's int32 arrays (top_k, token ids)
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: ASCII digits ("²", "٥" are not)
 
 
 class ApiError(Exception):
@@ -62,14 +71,33 @@ def json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
+def json_content_type_ok(value: str | None) -> bool:
+    """Whether a Content-Type header names JSON: application/json or application/*+json,
+    any parameters (charset) allowed."""
+    mime = (value or "").split(";", 1)[0].strip().lower()
+    kind, _, sub = mime.partition("/")
+    return kind == "application" and (sub == "json" or (sub.endswith("+json") and len(sub) > 5))
+
+
+def check_json_content_type(value: str | None) -> None:
+    """ApiError(415) unless `value` (a Content-Type header) names JSON."""
+    if not json_content_type_ok(value):
+        raise ApiError(415, f"Content-Type must be application/json, got {value!r}"[:200],
+                       None, "invalid_request_error", "unsupported_media_type")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_json_object(raw: bytes) -> dict:
     """The request body as a JSON object, or ApiError(400, param="body")."""
     if not json_depth_ok(raw):
         raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
                        "body")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"request body is not valid JSON: {e}", "body") from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply", "body") from None
@@ -83,6 +111,7 @@ def parse_json_object(raw: bytes) -> dict:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+_DICT_FIELDS = {"logit_bias"}  # their keys are data (token ids), not field names
 
 
 def loc_to_param(loc: tuple) -> str | None:
@@ -98,6 +127,8 @@ def loc_to_param(loc: tuple) -> str | None:
                 or part.startswith("function-")):
             break  # a type tag of a union member, not a field
         out += f".{part}" if out else part
+        if out in _DICT_FIELDS:
+            break
     return out or None
 
 
@@ -156,7 +187,8 @@ class _Sampling(_Strict):
     model: str = Field(min_length=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM uses -1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # -1 or 0: off (vLLM uses -1);
+    #                                                       the router bounds it by vocab
     seed: int | None = Field(None, ge=-2**63, lt=2**63)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
@@ -197,9 +229,9 @@ class _Sampling(_Strict):
                            "logit_bias")
         pairs = []
         for key, value in bias.items():
-            if not (key.lstrip("-").isdigit() and 0 <= int(key) < vocab_size):
+            if not (_TOKEN_KEY.fullmatch(key) and int(key) < vocab_size):
                 raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size})"
-                                    f", got {key!r}", "logit_bias")
+                                    f" written in ASCII digits, got {key[:40]!r}", "logit_bias")
             if not -100.0 <= value <= 100.0:
                 raise ApiError(400, f"logit_bias values must be in [-100, 100], got "
                                     f"{value!r}", "logit_bias")
@@ -209,10 +241,10 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo + logprobs (scoring)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)  # 0: echo + logprobs only
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -234,8 +266,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

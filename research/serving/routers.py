@@ -63,7 +63,9 @@ class ServerState:
 
 
 async def read_body(http: HttpRequest, limit: int) -> bytes:
-    """The request body, or 413 once it exceeds `limit` bytes (header or stream)."""
+    """The JSON request body: 415 unless its Content-Type is JSON, 413 once it exceeds
+    `limit` bytes (header or stream)."""
+    P.check_json_content_type(http.headers.get("content-type"))
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit}",
@@ -167,6 +169,9 @@ def _params(state: ServerState, req: P._Sampling, n_prompt: int, max_new: int | 
                             f"tokens and the context is {cfg.max_context} (at most {room} new "
                             f"tokens)", max_field)
     vocab = state.tokenizer.vocab_size
+    if req.top_k is not None and req.top_k > vocab:
+        raise ApiError(400, f"top_k must be -1 or 0 (off) or at most the vocabulary size "
+                            f"{vocab}, got {req.top_k}", "top_k")
     extra = list(req.stop_token_ids or [])
     if not all(0 <= t < vocab for t in extra):
         raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})",
@@ -289,7 +294,8 @@ class Run:
             raise ApiError(400, str(e), e.field) from None
         if isinstance(e, EngineDead):
             raise ApiError(503, f"engine unavailable: {e}", None, "server_error") from None
-        raise e
+        raise ApiError(500, f"the engine could not take the request: {e!r}"[:500], None,
+                       "server_error") from None
 
     def abort(self) -> None:
         for rid in self.open:
@@ -303,6 +309,11 @@ class Run:
             return None
         if isinstance(ev, BaseException):
             raise ApiError(503, f"engine failed: {ev}", None, "server_error")
+        if ev.finish_reason == "error":  # this request failed inside the engine's step
+            self.open.discard(ev.request_id)
+            self.state.metrics[3].labels("error").inc()
+            raise ApiError(500, f"the engine failed this request: {ev.error}"[:500], None,
+                           "server_error")
         self.see(ev)
         return ev
 
@@ -480,6 +491,7 @@ def openai_router(state: ServerState) -> APIRouter:
                 try:
                     ev = await run.next_event()
                 except ApiError as e:
+                    run.abort()  # the run's other choices, if any
                     yield f"data: {json.dumps(e.body())}\n\n"
                     done = True
                     return

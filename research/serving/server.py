@@ -28,9 +28,12 @@ Errors: malformed JSON, unknown or bad fields, prompt too long -> 400 with an Op
 error body whose `param` names the field (fields OpenAI defines that are not implemented,
 e.g. tools, suffix, echo with stream, are refused, never ignored); a body
 nested deeper than 64 levels -> 400, larger than --max_body_bytes -> 413; missing or
-wrong API key (--api_key) -> 401; unknown model -> 404; engine queue full
-(QueueFullError) -> 429; engine dead -> 503. A client that disconnects (streaming or
-not) has its request aborted, which frees its KV blocks.
+wrong API key (--api_key) -> 401; unknown model -> 404; a POST body that is not
+Content-Type application/json (or application/*+json) -> 415; engine queue full
+(QueueFullError) -> 429; a request the engine fails alone (an exception while taking it
+or building its rows: engine.py's RequestFailed) -> 500 for that request, the engine
+serves on; engine dead (any other exception on the engine thread) -> 503. A client that
+disconnects (streaming or not) has its request aborted, which frees its KV blocks.
 """
 from __future__ import annotations
 
@@ -50,8 +53,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from research.serving import kv_codecs
-from research.serving.api import (EngineMetrics, QueueFullError, Request, RequestError,
-                                  TokenEvent)
+from research.serving.api import EngineMetrics, Request, TokenEvent
 from research.serving.protocol import MAX_BODY_BYTES, ApiError
 from research.serving.routers import (EngineDead, ServerState, admin_router, openai_router,
                                       tokenizer_router)
@@ -167,7 +169,9 @@ class EngineLoop:
             if kind == "add":
                 try:
                     self.engine.add_request(payload)
-                except (QueueFullError, RequestError) as e:
+                except Exception as e:  # noqa: BLE001 - this request fails, not the engine
+                    # (add_request changes nothing before it accepts: QueueFullError -> 429,
+                    # RequestError -> 400, anything else -> 500 for this request only)
                     with self._lock:
                         self._subscribers.pop(payload.request_id, None)
                     fut.set_exception(e)

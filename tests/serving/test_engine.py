@@ -261,6 +261,8 @@ def test_bad_requests_name_the_field(engine):
     assert field(params=SamplingParams(max_new_tokens=4, stop=("",))) == "stop"
     assert field(params=SamplingParams(max_new_tokens=4, stop_token_ids=(128,))) == "stop_token_ids"
     assert field(request_id="") == "request_id"
+    assert field(params=SamplingParams(max_new_tokens=4, top_k=129)) == "top_k"  # > vocab
+    assert field(params=SamplingParams(max_new_tokens=4, top_k=2**31)) == "top_k"  # int32
     for name, kw in (("temperature", dict(temperature=-1.0)), ("top_p", dict(top_p=0.0)),
                      ("top_k", dict(top_k=-2)), ("max_tokens", dict(max_new_tokens=0))):
         with pytest.raises(RequestError) as e:
@@ -277,6 +279,64 @@ def test_bad_requests_name_the_field(engine):
     events = engine.step()
     assert sorted(e.request_id for e in events) == [f"q{i}" for i in range(8)]
     assert all(e.finish_reason == "abort" for e in events) and not engine.has_work()
+
+
+def _fail_at(monkeypatch, seed: int, position: int):
+    """Make the PRNG key of `seed`'s token at `position` raise (a row that cannot be
+    built inside a step: position 0 is what add_request's trial build uses)."""
+    import research.serving.engine as engine_mod
+    real = engine_mod.token_key
+
+    def key(s, pos):
+        if s == seed and pos == position:
+            raise OverflowError(f"injected: seed {s} position {pos}")
+        return real(s, pos)
+
+    monkeypatch.setattr(engine_mod, "token_key", key)
+
+
+def _serve(engine, requests):
+    for r in requests:
+        engine.add_request(r)
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    return events
+
+
+@pytest.mark.parametrize("position,processed", [(0, False), (5, False), (7, True)])
+def test_a_request_failing_in_a_step_fails_alone(engine, monkeypatch, position, processed):
+    """A row that cannot be built (at add time: position 0; in its prefill: 5, the prompt
+    length; in a later decode, through the logit-processor path: 7) fails its request
+    only: the others' tokens are those of a run without it, and no block leaks."""
+    sampled = dict(temperature=0.9, seed=11, max_new_tokens=6)
+    good = [Request(f"g{i}", tuple(TOK.encode(p)), SamplingParams(**sampled))
+            for i, p in enumerate(PROMPTS[:3])]
+    want = {}
+    for e in _serve(engine, good):
+        want.setdefault(e.request_id, []).append(e.token_id)
+    _fail_at(monkeypatch, 666, position)
+    bias = ((65, 1.0),) if processed else ()
+    bad = Request("bad", tuple(TOK.encode("hello")), SamplingParams(
+        temperature=0.9, seed=666, max_new_tokens=6, logit_bias=bias))
+    if position == 0:
+        with pytest.raises(OverflowError, match="injected"):
+            engine.add_request(bad)
+        events = _serve(engine, good)
+    else:
+        events = _serve(engine, [good[0], bad] + good[1:])
+        end = [e for e in events if e.request_id == "bad" and e.finish_reason]
+        assert [(e.finish_reason, "injected" in e.error) for e in end] == [("error", True)]
+    got = {}
+    for e in events:
+        if e.request_id != "bad":
+            got.setdefault(e.request_id, []).append(e.token_id)
+    assert got == want
+    m = engine.metrics()
+    assert m.kv_blocks_used == 0 and m.running == 0 and m.queue_length == 0
+    engine.pool.prefix_cache.clear()
+    engine.pool.allocator.check_consistency()
+    assert engine.pool.allocator.n_used == 0
 
 
 def test_engine_constructor_errors(model):

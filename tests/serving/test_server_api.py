@@ -12,12 +12,14 @@ import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pydantic
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from research.model import init_params, make_model, tiny_config  # noqa: E402
 from research.model.llama import forward  # noqa: E402
+from research.serving import protocol as P  # noqa: E402
 from research.serving.server import (ServerConfig, ServerThread, create_app,  # noqa: E402
                                      encode_chat)
 from tests.serving.test_server import running_server  # noqa: E402
@@ -270,6 +272,19 @@ def test_logit_bias_and_penalties_per_request(server):
     ({"prompt": [[1, 2], "x"]}, 400, "prompt"),
     ({"prompt": ["a"] * 17}, 400, "prompt"),
     ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    # every integer that becomes an int32 / uint32 array is bounded where it is parsed
+    ({"top_k": 2 ** 31, "temperature": 0.5}, 400, "top_k"),  # was OverflowError: 503s
+    ({"top_k": 49153}, 400, "top_k"),  # > SmolLM2's vocabulary
+    ({"max_tokens": 2 ** 31}, 400, "max_tokens"),
+    ({"seed": 2 ** 63}, 400, "seed"),
+    ({"stop_token_ids": [2 ** 31]}, 400, "stop_token_ids"),
+    ({"prompt": [2 ** 40]}, 400, "prompt"),
+    # logit_bias keys are ASCII decimal token ids ("²".isdigit() was a 500, "٥" token 5)
+    ({"logit_bias": {"²": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"٥": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"5": "x"}}, 400, "logit_bias"),
 ])
 def test_bad_new_fields_name_the_field(server, extra, status, param):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", **extra})
@@ -374,3 +389,251 @@ def test_concurrent_mixed_scoring_and_generation_leave_no_blocks(server):
             np.testing.assert_allclose(lp[1:len(ids)], ref[np.arange(len(ids) - 1), ids[1:]],
                                        atol=1e-4)
     _idle_no_leak(server)
+
+
+# --------------------------------------------------------------------------- robustness
+
+
+def test_reported_top_k_overflow_no_longer_stops_the_engine(server):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                         "temperature": 0.5, "top_k": 2147483648})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    ok = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                          "temperature": 0.5, "top_k": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
+
+
+@pytest.mark.parametrize("content_type,status", [
+    ("application/json", 200), ("application/json; charset=utf-8", 200),
+    ("Application/JSON", 200), ("application/vnd.servax+json", 200),
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+    ("multipart/form-data; boundary=x", 415), ("application/jsonl", 415),
+    ("application/+json", 415), (None, 415),
+])
+def test_json_routes_want_a_json_content_type(server, content_type, status):
+    bodies = {"/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+              "/v1/chat/completions": {"model": MODEL, "max_tokens": 1,
+                                       "messages": [{"role": "user", "content": "hi"}]},
+              "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]}}
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    for path, body in bodies.items():
+        r = httpx.post(server.url + path, content=json.dumps(body).encode(), headers=headers,
+                       timeout=60)
+        assert r.status_code == status, (path, r.text)
+        if status == 415:
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and "application/json" in err[
+                "message"], err
+
+
+def test_nan_and_infinity_literals_are_not_json(server):
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        r = httpx.post(server.url + "/v1/completions", headers={
+            "Content-Type": "application/json"}, content=b'{"model": "' + MODEL.encode()
+            + b'", "prompt": "hi", "logit_bias": {"5": ' + literal + b"}}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+
+
+@pytest.mark.parametrize("where", ["add", "step"])
+def test_a_request_failing_in_the_engine_is_a_500_and_the_engine_serves_on(
+        server, monkeypatch, where):
+    """An exception building one request's row (injected into the PRNG key of seed 666's
+    token: at add time, or inside the step that prefills it) fails that request with an
+    OpenAI 500; a concurrent request gets what it gets alone, and no block leaks."""
+    import concurrent.futures as cf
+
+    import research.serving.engine as engine_mod
+    tok = server.tok
+    good = {"model": MODEL, "prompt": tok.encode("Once upon a time"), "max_tokens": 12,
+            "temperature": 0.9, "seed": 7}
+    alone = post(server, "/v1/completions", good).json()["choices"][0]["text"]
+    ids = tok.encode("A story")
+    real = engine_mod.token_key
+    at = 0 if where == "add" else len(ids)  # position 0: add_request's trial build
+
+    def key(seed, position):
+        if seed == 666 and position == at:
+            raise OverflowError("injected")
+        return real(seed, position)
+
+    monkeypatch.setattr(engine_mod, "token_key", key)
+    bad = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0.9, "seed": 666,
+           "logit_bias": {"11": 1}}
+    with cf.ThreadPoolExecutor(2) as ex:
+        g = ex.submit(post, server, "/v1/completions", good)
+        b = ex.submit(post, server, "/v1/completions", bad)
+        rg, rb = g.result(), b.result()
+    assert rb.status_code == 500, rb.text
+    err = rb.json()["error"]
+    assert err["type"] == "server_error" and "injected" in err["message"], err
+    assert rg.status_code == 200 and rg.json()["choices"][0]["text"] == alone, rg.text
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    _idle_no_leak(server)
+
+
+# --------------------------------------------------------------------------- properties
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ODD_INTS = st.sampled_from([-2 ** 63 - 1, -2 ** 63, -2 ** 31 - 1, -2 ** 31, -1, 0, 1, 2,
+                             2 ** 31 - 1, 2 ** 31, 2 ** 32, 2 ** 63, 10 ** 30, 49151,
+                             49152]) | st.integers(-3, 12)
+_ODD_FLOATS = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e308, -0.0, 0.5,
+                               2.0, 2.0000001, 5e-324]) | st.floats(-3, 3)
+_ODD_TEXT = st.sampled_from(["", "²", "٥", "５", "-1", "0", "1", "49151", "49152", "1e3",
+                             " 1", "\x00", "<|im_end|>", "hi", "user", MODEL]) | st.text(
+                                 max_size=6)
+_JSON = st.recursive(st.none() | st.booleans() | _ODD_INTS | _ODD_FLOATS | _ODD_TEXT,
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(_ODD_TEXT, inner, max_size=3), max_leaves=6)
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant",
+                                                           "robot"]),
+                                  "content": _ODD_TEXT | _JSON})
+_NUMBER = _ODD_INTS | _ODD_INTS | _ODD_FLOATS
+_FIELD_VALUES = {"messages": st.lists(_MESSAGE, max_size=2) | _JSON,
+                 "prompt": st.lists(_ODD_INTS, min_size=1, max_size=3) | _JSON,
+                 "tokens": st.lists(_ODD_INTS, max_size=3) | _JSON,
+                 "stop_token_ids": st.lists(_ODD_INTS, max_size=3) | _JSON,
+                 "logit_bias": st.dictionaries(_ODD_TEXT, _NUMBER, max_size=3) | _JSON,
+                 "stop": st.lists(_ODD_TEXT, max_size=3) | _JSON}
+_BASES = {
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+    "/v1/chat/completions": {"model": MODEL, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "hi"}]},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [1, 2]},
+}
+_FIELDS = {"/v1/completions": sorted(P.CompletionRequest.model_fields) + ["bogus"],
+           "/v1/chat/completions": sorted(P.ChatCompletionRequest.model_fields) + ["bogus"],
+           "/tokenize": sorted(set(P.TokenizeCompletionRequest.model_fields)
+                               | set(P.TokenizeChatRequest.model_fields)),
+           "/detokenize": ["model", "tokens"]}
+
+
+@st.composite
+def _bodies(draw, paths=("/v1/completions",) * 3 + ("/v1/chat/completions",) * 2
+            + ("/tokenize", "/detokenize")):
+    """(path, body): a valid body of a POST route with up to 3 fields set to odd JSON
+    values (huge and negative ints, NaN, unicode digits, wrong types) or deleted."""
+    path = draw(st.sampled_from(paths))
+    body = dict(_BASES[path])
+    for name in draw(st.lists(st.sampled_from(_FIELDS[path]), min_size=1, max_size=2,
+                              unique=True)):
+        if draw(st.integers(0, 9)) == 0:
+            body.pop(name, None)
+        else:
+            body[name] = draw(_FIELD_VALUES.get(name, _NUMBER | _JSON))
+    if body.get("stream") is True or body.get("n") not in (None, 1):  # keep examples quick
+        body["max_tokens"] = 2
+    return path, body
+
+
+def _parse_in_process(state, path, body):
+    """What the routers do before the engine, without HTTP: -> jobs, or ApiError."""
+    from research.serving import routers as R
+    raw = json.dumps(body).encode()  # NaN / Infinity literals included
+    obj = P.parse_json_object(raw)
+    cls = {"/v1/completions": P.CompletionRequest,
+           "/v1/chat/completions": P.ChatCompletionRequest,
+           "/tokenize": P.TokenizeChatRequest if "messages" in obj
+           else P.TokenizeCompletionRequest, "/detokenize": P.DetokenizeRequest}[path]
+    try:
+        req = cls.model_validate(obj)
+    except pydantic.ValidationError as e:
+        raise P.validation_error(e) from None
+    if path == "/v1/completions":
+        R.check_model(state, req.model, required=True)
+        return R.completion_jobs(state, req)
+    if path == "/v1/chat/completions":
+        R.check_model(state, req.model, required=True)
+        return R.chat_jobs(state, req)
+    return []
+
+
+@pytest.fixture(scope="module")
+def parse_state(smollm2):
+    from research.serving.generate import default_stop_tokens
+    from research.serving.routers import ServerState
+    _, tok = smollm2
+    return ServerState(None, tok, ServerConfig(model_name=MODEL, max_context=MAX_LEN),
+                       None, default_stop_tokens(tok), 0)
+
+
+_REPORTED = [  # issue 45's reports, always among the examples
+    ("/v1/completions", {**_BASES["/v1/completions"], "temperature": 0.5, "top_k": 2 ** 31}),
+    ("/v1/completions", {**_BASES["/v1/completions"], "logit_bias": {"²": 1}}),
+    ("/v1/chat/completions", {**_BASES["/v1/chat/completions"], "logit_bias": {"٥": 1}}),
+]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@example(case=_REPORTED[0])
+@example(case=_REPORTED[1])
+@example(case=_REPORTED[2])
+@given(case=_bodies())
+def test_any_body_parses_to_a_4xx_or_to_rows_the_engine_can_build(parse_state, case):
+    """The pydantic models and the routers' checks, on generated bodies: every failure is
+    an ApiError (4xx, OpenAI body); every accepted request's rows fit the engine's arrays
+    (the trial build `add_request` runs)."""
+    from types import SimpleNamespace
+
+    from research.serving.engine import processor_rows, sampling_rows
+    path, body = case
+    try:
+        jobs = _parse_in_process(parse_state, path, body)
+    except P.ApiError as e:
+        assert 400 <= e.status < 500 and e.message, e.body()
+        assert e.param is None or isinstance(e.param, str)
+        return
+    vocab = parse_state.tokenizer.vocab_size
+    zero = np.zeros(1, np.int32)
+    for job in jobs:
+        assert all(0 <= t < vocab for t in job.prompt_ids)
+        assert len(job.prompt_ids) + job.params.max_new_tokens <= MAX_LEN
+        row = SimpleNamespace(rid=job.rid, params=job.params, tokens=job.prompt_ids,
+                              n_prompt=len(job.prompt_ids))
+        sampling_rows([row], zero, zero)
+        processor_rows([row], zero, zero, vocab)
+
+
+_CONTENT_TYPES = st.sampled_from(["application/json"] * 6 + [
+    "application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded",
+    None])
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@example(case=_REPORTED[0], content_type="application/json")
+@example(case=_REPORTED[1], content_type="application/json")
+@example(case=_REPORTED[2], content_type="application/json")
+@example(case=_REPORTED[0], content_type="text/plain")
+@given(case=_bodies(), content_type=_CONTENT_TYPES)
+def test_the_server_survives_any_request(server, case, content_type):
+    """Generated bodies and content types against the real server: never a 5xx (no 500,
+    no dead engine), every error an OpenAI error body."""
+    path, body = case
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    r = httpx.post(server.url + path, content=json.dumps(body).encode(), headers=headers,
+                   timeout=120)
+    assert r.status_code in (200, 400, 404, 413, 415, 429), (path, body, r.text)
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert err["message"] and err["type"], err
+    assert server.loop.alive
+
+
+def test_after_the_property_runs_the_server_is_healthy_and_right(server):
+    """Runs after the generated requests (file order): /health is OK, no block leaked,
+    and greedy scoring still equals a dense forward."""
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    _idle_no_leak(server)
+    ids = server.tok.encode("The quick brown fox")
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "echo": True,
+                                         "logprobs": 1, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    _check_scores(server, ids, r.json()["choices"][0], 1)
