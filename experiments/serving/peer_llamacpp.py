@@ -260,21 +260,29 @@ def run(config, out_dir) -> common.Report:
               f"SLOs: TTFT <= {config.slo.ttft_s} s, TPOT <= {config.slo.tpot_s} s",
               "load_1min: the machine's 1-minute load average after each rate (2 cores; "
               "above ~2 other processes shared the CPU with the server under test)"]
+    ratio_notes, claims = peer_ratios(rows, config.rates)
+    notes += ratio_notes
+    return common.Report(columns=COLUMNS, rows=rows, extra=extra, notes=notes, claims=claims,
+                         title="servax vs llama.cpp's servers, same load, same machine",
+                         plot=_plot(rows, config.servers))
+
+
+def peer_ratios(rows: list[dict], rates) -> tuple[list[str], list[dict]]:
+    """servax / each peer's output tok/s per rate (notes), and the saturation claim: at the
+    highest offered rate, servax >= 1.5x the batching peer (llama-server)."""
     by = {(r["server"], r["rate"]): r["out_tok_s"] for r in rows}
-    claims = []
-    for rate in config.rates:
+    notes, claims = [], []
+    for rate in rates:
         for peer in ("llama-server", "llama.cpp"):
             if ("servax", rate) in by and by.get((peer, rate)):
                 ratio = by[("servax", rate)] / by[(peer, rate)]
                 notes.append(f"rate {rate}: servax / {peer} output tok/s = {ratio:.2f}x")
-                if peer == "llama-server" and rate == max(config.rates):
+                if peer == "llama-server" and rate == max(rates):
                     claims.append({"claim": f"servax / llama-server (batching peer) output "
                                             f"tok/s at saturation ({rate} req/s offered)",
                                    "target": ">= 1.5", "measured": ratio,
                                    "met": ratio >= 1.5})
-    return common.Report(columns=COLUMNS, rows=rows, extra=extra, notes=notes, claims=claims,
-                         title="servax vs llama.cpp's servers, same load, same machine",
-                         plot=_plot(rows, config.servers))
+    return notes, claims
 
 
 def _plot(rows, servers):
