@@ -86,13 +86,31 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         max_prompt=192, max_output=48, split="heldout"))
     c.slo = ml_collections.ConfigDict(dict(ttft_s=2.0, tpot_s=0.25))
     c.start_timeout_s = 900
+    # ggml's weight repacking (its default): "auto" turns it off only where the CPU lists
+    # AMX, whose repacked Q4_1 matmul segfaulted in an earlier VM (see PEER_LAUNCHER)
+    c.repack = "auto"
     return c
 
 
-# llama-cpp-python's server, with ggml's weight repacking ("extra buffer types") off: this
-# VM lists AMX in /proc/cpuinfo and ggml's AMX Q4_1 matmul segfaults in it
-# (ggml_backend_amx_mul_mat, SIGSEGV in llama_decode); without repacking ggml uses its
-# AVX-512 Q4_1 kernels. Arguments after the code are the server's own.
+def repack_on(setting, cpu_flags: str | None = None) -> bool:
+    """Whether the llama.cpp peers keep ggml's weight repacking (the default their users
+    get): `setting` "on" / "off", or "auto" = on unless the CPU lists AMX."""
+    if setting in ("on", "off"):
+        return setting == "on"
+    if setting != "auto":
+        raise ValueError(f"config.repack must be 'on', 'off' or 'auto', got {setting!r}")
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu_flags = ""
+    return "amx_tile" not in cpu_flags.split()
+
+
+# llama-cpp-python's server, with ggml's weight repacking ("extra buffer types") off, for
+# CPUs where it crashes: a VM that listed AMX in /proc/cpuinfo segfaulted in ggml's AMX
+# Q4_1 matmul (ggml_backend_amx_mul_mat, SIGSEGV in llama_decode); without repacking ggml
+# uses its plain Q4_1 kernels. Arguments after the code are the server's own.
 PEER_LAUNCHER = """
 import runpy, sys
 import llama_cpp.llama_cpp as C
@@ -142,15 +160,16 @@ def _command(name: str, config, port: int, gguf: str) -> list[str]:
                 "--log_level=warning"]
     if name == "llama-server":
         slots = config.peer_slots
-        # -c is the whole KV cache, split over the slots: each slot holds servax's max_len;
-        # --no-repack: ggml's AMX repacked Q4_1 matmul segfaults in this VM (see above)
+        # -c is the whole KV cache, split over the slots: each slot holds servax's max_len
         return [config.llama_server, "--model", gguf, "--alias", MODEL_NAME,
                 "--host", "127.0.0.1", "--port", str(port), "--threads", str(config.threads),
                 "--threads-batch", str(config.threads), "--parallel", str(slots),
                 "--cont-batching", "--ctx-size", str(slots * config.servax.max_len),
-                "--no-repack", "--no-webui"]
+                "--no-webui"] + ([] if repack_on(config.repack) else ["--no-repack"])
     if name == "llama.cpp":
-        return [config.peer_python, "-c", PEER_LAUNCHER, "--model", gguf,
+        launch = (["-m", "llama_cpp.server"] if repack_on(config.repack)
+                  else ["-c", PEER_LAUNCHER])
+        return [config.peer_python, *launch, "--model", gguf,
                 "--model_alias", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                 "--n_ctx", str(config.servax.max_len), "--n_threads", str(config.threads),
                 "--interrupt_requests", "False", "--verbose", "False"]
@@ -241,6 +260,8 @@ def run(config, out_dir) -> common.Report:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    repack = ("ggml weight repacking on (its default)" if repack_on(config.repack) else
+              "ggml weight repacking off (the CPU lists AMX, whose repacked path crashed)")
     notes = [f"same seeded workloads for every server ({config.n_requests} requests per "
              f"rate, Poisson arrivals, greedy, streaming /v1/completions); GGUF "
              f"{extra['gguf']}; {config.threads} threads each; servax {dict(config.servax)}"]
@@ -248,12 +269,11 @@ def run(config, out_dir) -> common.Report:
         notes.append(f"llama-server ({extra['llama_server']}, llama.cpp vendored by "
                      f"llama-cpp-python 0.3.36): --parallel {config.peer_slots} "
                      f"--cont-batching, --ctx-size {config.peer_slots} x "
-                     f"{config.servax.max_len}, weight repacking off (--no-repack: ggml's "
-                     "AMX path segfaults in this VM)")
+                     f"{config.servax.max_len}, {repack}")
     if "llama.cpp" in config.servers:
         notes.append(f"llama.cpp = llama-cpp-python {extra['llama_cpp_python']}'s server "
                      f"(library: {extra['llama_cpp_python_lib']}), one request at a time, "
-                     "interrupt_requests=False, weight repacking off")
+                     f"interrupt_requests=False, {repack}")
     notes += ["output tokens are counted as SSE chunks carrying text (every server sends one "
               "token per chunk); each server stops at its own EOS, so mean_out_tokens can "
               "differ",

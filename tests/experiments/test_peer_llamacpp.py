@@ -14,7 +14,14 @@ def test_llama_server_runs_parallel_slots_with_continuous_batching():
     assert arg["--ctx-size"] == str(config.peer_slots * config.servax.max_len)
     assert arg["--threads"] == arg["--threads-batch"] == str(config.threads)
     assert arg["--model"] == "/m.gguf" and arg["--alias"] == P.MODEL_NAME
-    assert {"--cont-batching", "--no-repack"} <= set(cmd)
+    assert "--cont-batching" in cmd
+    assert ("--no-repack" in cmd) == (not P.repack_on(config.repack))
+    config.repack = "off"
+    assert "--no-repack" in P._command("llama-server", config, 8123, "/m.gguf")
+    assert "-c" in P._command("llama.cpp", config, 8123, "/m.gguf")  # the no-repack launcher
+    config.repack = "on"
+    assert "--no-repack" not in P._command("llama-server", config, 8123, "/m.gguf")
+    assert P._command("llama.cpp", config, 8123, "/m.gguf")[1:3] == ["-m", "llama_cpp.server"]
     assert config.servers == ("servax", "llama-server", "llama.cpp")
     with pytest.raises(ValueError, match="unknown server 'vllm'"):
         P._command("vllm", config, 8123, "/m.gguf")
@@ -40,3 +47,11 @@ def test_saturation_claim_is_servax_over_the_batching_peer_at_the_highest_rate()
     assert "rate 16.0: servax / llama.cpp output tok/s = 3.30x" in notes
     assert len(claims) == 1 and claims[0]["measured"] == pytest.approx(1.1)
     assert claims[0]["met"] is False and "16.0 req/s" in claims[0]["claim"]
+
+
+def test_repacking_is_the_default_except_where_the_cpu_lists_amx():
+    assert P.repack_on("auto", "fpu avx2 fma") is True
+    assert P.repack_on("auto", "fpu avx512f amx_tile amx_int8") is False
+    assert P.repack_on("off", "fpu") is False and P.repack_on("on", "amx_tile") is True
+    with pytest.raises(ValueError, match="config.repack"):
+        P.repack_on("sometimes")
