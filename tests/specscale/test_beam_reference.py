@@ -137,7 +137,7 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def problems():
-    return TASK.problems(2, seed=0, split="test")
+    return TASK.problems(2, seed=1000, split="dev")  # inputs only; never a test problem
 
 
 @pytest.mark.parametrize("process", [False, True])
