@@ -225,7 +225,7 @@ def run(config, out_dir) -> common.Report:
              f"both sides warmed by one untimed batch, then {config.rounds} interleaved "
              "rounds, medians; tok/s = rows x decode steps / their wall seconds on both "
              "sides (prefill outside; compile seconds = the first batch's excess over a "
-             "warm one, in their own columns); engine max_len {config.max_len} "
+             f"warm one, in their own columns); engine max_len {config.max_len} "
              f"(and {2 * config.max_len}), prefix cache off; generate's cache holds exactly "
              "prompt + new tokens",
              "load_1min: the machine's 1-minute load average after the setting (2 cores: "
