@@ -127,7 +127,7 @@ def _page_tile(refs, scale_refs, h: int):
     scales (in bf16, module docstring), float pages as stored."""
     x = jnp.concatenate([r[:, h, :] for r in refs], axis=0)
     if scale_refs is None:
-        return x
+        return widen(x)
     scales = jnp.concatenate([r[:, h, :] for r in scale_refs], axis=0)  # [P*S, 1]
     return (x.astype(jnp.float32) * scales.astype(jnp.float32)).astype(INT8_COMPUTE)
 
@@ -233,8 +233,16 @@ INT8_COMPUTE = jnp.bfloat16  # the dot dtype of int8 pages (module docstring)
 
 
 def _compute_dtype(pool):
-    """Scores and values are computed in the pool's float dtype; int8 pages in bf16."""
-    return pool.dtype if jnp.issubdtype(pool.dtype, jnp.floating) else jnp.dtype(INT8_COMPUTE)
+    """Scores and values are computed in the pool's float dtype; int8 and fp8 pages (one
+    byte per channel: fp8 codecs fold their static scales into q and the output, see
+    research/kv/fp8.py) in bf16."""
+    wide = jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize > 1
+    return pool.dtype if wide else jnp.dtype(INT8_COMPUTE)
+
+
+def widen(x):
+    """A tile of fp8 pages in the compute dtype (bf16); wider floats as stored."""
+    return x.astype(INT8_COMPUTE) if x.dtype.itemsize == 1 else x
 
 
 # -- GPU (Triton) ------------------------------------------------------------------------
@@ -281,7 +289,7 @@ def _gpu_tile(ref, scale_ref, page, h: int, block_size: int, d: int):
     """Head h's [block_size, D] tile of one page; int8 pages times their scales (bf16)."""
     x = ref[page, pl.ds(0, block_size), h, pl.ds(0, d)]
     if scale_ref is None:
-        return x
+        return widen(x)
     scales = scale_ref[page, pl.ds(0, block_size), h, pl.ds(0, 1)]  # [block_size, 1]
     return (x.astype(jnp.float32) * scales.astype(jnp.float32)).astype(INT8_COMPUTE)
 

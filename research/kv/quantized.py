@@ -2,7 +2,9 @@
 
 `Int8Codec`: symmetric int8 per (token, KV head) with a float16 scale: 8.25 bits per
 channel at head_dim 64, a dense dequantise on read (the usual serving baseline), and its
-transform `int8_kv()`. The template of a new codec (docs/extending.md): a record spec,
+transform `int8_kv()`. `Int4GroupCodec`: llama.cpp's q4_0 layout for K and V, symmetric
+4-bit codes per group of 32 channels with a float16 scale (4.5 bits per channel), and
+its transform `int4_kv()`. The template of a new codec (docs/extending.md): a record spec,
 encode, decode, optionally a page reader, and one registration (research/serving/kv_codecs.py).
 
 Helpers: `pack_bits` / `unpack_bits` (sub-byte integers packed along the last axis, low
@@ -112,3 +114,63 @@ def int8_kv():
     from research.transforms import stateless
     return stateless(lambda model, state: replace_codecs(model, lambda i: Int8Codec(),
                                                          "int8_kv", "kv-int8"), "int8")
+
+
+Q4_GROUP = 32  # channels per scale, llama.cpp's q4_0 block
+
+
+def quantize_q4(x: Float[Array, "... D"], group: int = Q4_GROUP):
+    """q4_0-style: per `group` channels d = m / -8 with m the signed value of largest
+    magnitude, codes round(x / d) + 8 in [0, 15] packed two per byte; float16 d."""
+    x = x.astype(jnp.float32)
+    g = x.reshape(x.shape[:-1] + (x.shape[-1] // group, group))
+    idx = jnp.argmax(jnp.abs(g), axis=-1, keepdims=True)
+    m = jnp.take_along_axis(g, idx, axis=-1)
+    d = (m / -8.0).astype(SCALE_DTYPE)
+    df = d.astype(jnp.float32)
+    q = jnp.round(g / jnp.where(df != 0, df, 1.0)) + 8
+    codes = jnp.clip(q, 0, 15).astype(jnp.uint8).reshape(x.shape)
+    return pack_bits(codes, 4), d[..., 0]
+
+
+def dequantize_q4(packed, d, group: int = Q4_GROUP) -> Array:
+    codes = unpack_bits(packed, 4).astype(jnp.float32) - 8
+    g = codes.reshape(codes.shape[:-1] + (codes.shape[-1] // group, group))
+    return (g * d.astype(jnp.float32)[..., None]).reshape(codes.shape)
+
+
+@struct.dataclass
+class Int4GroupCodec(KVCodec):
+    """K and V in llama.cpp's q4_0 layout: 4-bit codes per `group`-channel group (32, as
+    q4_0), a float16 scale per group (4.5 bits per channel at 32); dense dequantise on
+    read."""
+
+    group: int = struct.field(pytree_node=False, default=Q4_GROUP)
+
+    def record_spec(self, n_kv_heads, head_dim):
+        if self.group < 2 or self.group % 2 or head_dim % self.group:
+            raise ValueError(f"Int4GroupCodec group must be even and divide head_dim="
+                             f"{head_dim}, got group={self.group}")
+        codes = jax.ShapeDtypeStruct((n_kv_heads, head_dim // 2), jnp.dtype(jnp.uint8))
+        scale = jax.ShapeDtypeStruct((n_kv_heads, head_dim // self.group),
+                                     jnp.dtype(SCALE_DTYPE))
+        return {"k": codes, "k_scale": scale, "v": codes, "v_scale": scale}
+
+    def encode(self, k, v, positions):
+        (kq, ks), (vq, vs) = quantize_q4(k, self.group), quantize_q4(v, self.group)
+        return {"k": kq, "k_scale": ks, "v": vq, "v_scale": vs}
+
+    def decode(self, records, positions):
+        return tuple(dequantize_q4(records[x], records[f"{x}_scale"], self.group)
+                     for x in ("k", "v"))
+
+    def describe(self):
+        return f"int4[q4_0, group {self.group}]"
+
+
+def int4_kv():
+    """Transform: every layer's codec becomes Int4GroupCodec, each keeping its layout."""
+    from research.kv.layouts import replace_codecs
+    from research.transforms import stateless
+    return stateless(lambda model, state: replace_codecs(model, lambda i: Int4GroupCodec(),
+                                                         "int4_kv", "kv-int4"), "int4")

@@ -107,10 +107,25 @@ def _int8(seed):
     return int8_kv()
 
 
-def _tasq(key_space):
+def _int4(seed):
+    from research.kv.quantized import int4_kv
+    return int4_kv()
+
+
+def _fp8(per_head):
+    def make(seed):
+        from research.tasq.baselines import fp8_kv
+        return fp8_kv(per_head=per_head)
+    return make
+
+
+def _tasq(key_space, bits=1):
+    # post-RoPE codebooks are fitted at positions drawn over the whole served range
+    # (TaSQConfig.calibration_positions), not only the calibration text's 0-255
     def make(seed):
         from research.tasq import TaSQConfig, tasq
-        return tasq(TaSQConfig(bits=1, seed=seed, key_space=key_space))
+        return tasq(TaSQConfig(bits=bits, seed=seed, key_space=key_space,
+                               calibration_positions="served"))
     return make
 
 
@@ -130,10 +145,21 @@ for _spec in (
         CodecSpec("bf16", _bf16, False, True, "bfloat16 K/V (half the bytes)"),
         CodecSpec("int8", _int8, False, True,
                   "int8 per (token, KV head) with a float16 scale (8.25 bits/channel)"),
+        CodecSpec("fp8", _fp8(False), True, True,
+                  "float8 e4m3 with a static scale per layer (vLLM's kv_cache_dtype=fp8; "
+                  "calibrated amax)"),
+        CodecSpec("fp8-head", _fp8(True), True, True,
+                  "float8 e4m3 with a static scale per KV head (calibrated amax)"),
+        CodecSpec("int4", _int4, False, True,
+                  "4-bit per 32-channel group with a float16 scale (llama.cpp q4_0, "
+                  "4.5 bits/channel)"),
         CodecSpec("tasq-1bit", _tasq("pre_rope"), True, True,
                   "TaSQ 1-bit VQ codes, keys before RoPE (the default; calibrated)"),
         CodecSpec("tasq-1bit-post", _tasq("post_rope"), True, True,
-                  "TaSQ 1-bit VQ codes, keys after RoPE (lookup-table read; calibrated)"),
+                  "TaSQ 1-bit VQ codes, keys after RoPE, codebooks fitted over the served "
+                  "positions (lookup-table read; calibrated)"),
+        CodecSpec("tasq-2bit", _tasq("pre_rope", bits=2), True, True,
+                  "TaSQ 2-bit VQ codes, keys before RoPE (calibrated)"),
         CodecSpec("sign-1bit", _sign, False, True,
                   "QJL-style sign bits of projected keys and of values"),
         CodecSpec("kivi-2bit", _kivi2, False, False,

@@ -2,6 +2,10 @@
 
     int8_kv()          int8 per (token, head), float16 scales             (no calibration;
                        defined in research/kv/quantized.py beside its codec)
+    int4_kv()          llama.cpp q4_0: 4-bit per 32-channel group         (no calibration;
+                       research/kv/quantized.py)
+    fp8_kv(per_head)   e4m3 with static per-tensor / per-head scales,
+                       vLLM's kv_cache_dtype="fp8"                        (calibrated)
     kivi_kv(bits=2)    KIVI-style: keys per channel, values per token,
                        full-precision recent window                       (no calibration)
     sign_kv()          QJL-style sign-bit keys + sign-bit values          (no calibration)
@@ -19,7 +23,8 @@ from jaxtyping import Array
 from flax import struct
 
 from research.kv.layouts import replace_codecs
-from research.kv.quantized import int8_kv  # noqa: F401 - re-exported: the int8 baseline
+from research.kv.fp8 import FP8_MAX, FP8Codec
+from research.kv.quantized import int4_kv, int8_kv  # noqa: F401 - re-exported baselines
 from research.model.llama import Model
 from research.tasq.cq import CQCodec
 from research.tasq.kivi import KIVICodec
@@ -99,3 +104,47 @@ def cq_style(bits: int = 1, kmeans_iters: int = 12, max_points: int = 4096,
             state.key_codebook[i], state.value_codebook[i], rope_theta=theta), "cq_style", "cq")
 
     return Transform(calibrate, apply, f"cq({bits}b)")
+
+
+@struct.dataclass
+class FP8State:
+    k_scale: Array  # [L, Hkv] float32
+    v_scale: Array  # [L, Hkv]
+    fingerprint: str = struct.field(pytree_node=False)
+
+
+def rope_safe_amax(k_pre: np.ndarray) -> np.ndarray:
+    """[Hkv] bound on |post-RoPE key| at any position: the largest RoPE-pair norm of the
+    pre-RoPE keys [N, Hkv, D] (rotation keeps each pair's norm; half-split pairs)."""
+    half = k_pre.shape[-1] // 2
+    norms = np.sqrt(k_pre[..., :half] ** 2 + k_pre[..., half:] ** 2)
+    return norms.max(axis=(0, 2))
+
+
+def fp8_scales(k_pre: np.ndarray, v: np.ndarray, per_head: bool):
+    """(k_scale, v_scale) [Hkv] = amax / 448, per KV head or one value for the layer."""
+    ka, va = rope_safe_amax(k_pre), np.abs(v).max(axis=(0, 2))
+    if not per_head:
+        ka, va = np.full_like(ka, ka.max()), np.full_like(va, va.max())
+    floor = np.finfo(np.float32).tiny
+    return (np.maximum(ka, floor) / FP8_MAX).astype(np.float32), \
+        (np.maximum(va, floor) / FP8_MAX).astype(np.float32)
+
+
+def fp8_kv(per_head: bool = True) -> Transform:
+    """FP8 e4m3 K/V (research/kv/fp8.py) with static scales calibrated as amax / 448 per
+    KV head (`per_head`) or per layer (vLLM's per-tensor scales)."""
+
+    def calibrate(model: Model, data: CalibrationData) -> FP8State:
+        scales = [fp8_scales(st.k_pre, st.v, per_head) for st in collect(model, data)]
+        return FP8State(jnp.asarray(np.stack([k for k, _ in scales])),
+                        jnp.asarray(np.stack([v for _, v in scales])),
+                        model_fingerprint(model))
+
+    def apply(model: Model, state: FP8State) -> Model:
+        check_fingerprint(model, state.fingerprint, "this FP8 state")
+        return replace_codecs(model, lambda i: FP8Codec(state.k_scale[i], state.v_scale[i],
+                                                        per_head=per_head),
+                              "fp8_kv", "kv-fp8")
+
+    return Transform(calibrate, apply, f"fp8({'head' if per_head else 'tensor'})")

@@ -32,6 +32,14 @@ class TaSQConfig:
       grouping may split RoPE pairs: keys are rotated after decoding, in codec order.
       "post_rope" codes keys after RoPE, so one lookup table per query scores every
       position without rebuilding keys (the faster read, the larger quality loss).
+    calibration_positions: where post-RoPE key codebooks are fitted. "text": at the
+      positions the calibration text had (0 .. its length - 1, e.g. 0-255), so keys that
+      later positions rotate elsewhere fall outside them (8k perplexity 549 against bf16's
+      12.1 in results/serving_long_context_small). "served": each calibration key is
+      re-rotated to a position drawn uniformly from the model's served range
+      [0, config.max_position) (exact: RoPE of the pre-RoPE key, and the key scales are
+      tied across RoPE pairs so they commute with it). Pre-RoPE codes are position-free,
+      so this only changes post-RoPE calibration.
     """
 
     bits: int = 1
@@ -50,6 +58,7 @@ class TaSQConfig:
     # (+50.0% vs post-RoPE +98.3% over f32; `python -m experiments.run
     # --config=experiments/tasq/tasq.py:dev`, results/tasq_dev/)
     key_space: str = "pre_rope"
+    calibration_positions: str = "text"
 
     def __post_init__(self):
         if self.bits not in (1, 2):
@@ -65,6 +74,9 @@ class TaSQConfig:
         if self.key_space not in ("post_rope", "pre_rope"):
             raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got "
                              f"{self.key_space!r}")
+        if self.calibration_positions not in ("text", "served"):
+            raise ValueError(f"calibration_positions must be 'text' or 'served', got "
+                             f"{self.calibration_positions!r}")
         if self.implementation not in ("auto", "xla", "pallas"):
             raise ValueError(f"implementation must be 'auto', 'xla' or 'pallas', got "
                              f"{self.implementation!r}")

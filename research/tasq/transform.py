@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from research.core.rope import apply_rope
 from research.kv.layouts import replace_codecs
 from research.tasq.cq import CQCodec
 from research.tasq.vq import VQCodec
@@ -119,6 +120,27 @@ def _grouped_points(x: np.ndarray, perm: np.ndarray, config: TaSQConfig,
     return pts.reshape(-1, pts.shape[2], g)
 
 
+def calibration_keys(stats: LayerStats, config: TaSQConfig, model_config,
+                     rng: np.random.Generator) -> np.ndarray:
+    """The keys [N, Hkv, D] codebooks are fitted on: pre-RoPE keys, or post-RoPE keys at
+    the calibration text's positions ("text") or re-rotated to positions drawn uniformly
+    from the served range [0, max_position) ("served"; TaSQConfig says why)."""
+    if config.key_space == "pre_rope":
+        return stats.k_pre
+    if config.calibration_positions == "text":
+        return stats.k
+    positions = served_positions(len(stats.k_pre), model_config.max_position, rng)
+    return np.asarray(apply_rope(jnp.asarray(stats.k_pre)[None], jnp.asarray(positions)[None],
+                                 model_config.rope_theta)[0])
+
+
+def served_positions(n: int, max_position: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` positions drawn uniformly from [0, max_position) (int32)."""
+    if max_position < 1:
+        raise ValueError(f"max_position must be >= 1, got {max_position}")
+    return rng.integers(0, max_position, size=n).astype(np.int32)
+
+
 def calibrate_state(model: Model, data: CalibrationData, config: TaSQConfig,
                     progress: bool = False) -> TaSQState:
     c = model.config
@@ -130,7 +152,7 @@ def calibrate_state(model: Model, data: CalibrationData, config: TaSQConfig,
     problems = []
     for layer, st in enumerate(stats):
         ks, vs = layer_scales(st, model.params["layers"][layer]["wo"], config)
-        keys = st.k if config.key_space == "post_rope" else st.k_pre  # scales commute w/ RoPE
+        keys = calibration_keys(st, config, c, rng)  # scales commute with RoPE
         kx, vx = keys * ks[None], st.v * vs[None]
         # Post-RoPE groups keep rotating pairs together (the pair's angle is per channel);
         # pre-RoPE codes are rotated after decoding, so any grouping is allowed.

@@ -21,7 +21,7 @@ from research.kv import paged
 from research.kv.block_allocator import BlockManager
 from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
-from research.kv.quantized import Int8Codec
+from research.kv.quantized import Int4GroupCodec, Int8Codec
 from research.kv.window import WindowKVCache
 from research.model import forward, init_params, make_model, tiny_config
 from research.serving import kv_codecs as registry
@@ -53,6 +53,8 @@ def _codec(name):
         return FloatCodec("bfloat16")
     if name == "int8":
         return Int8Codec()
+    if name == "int4":  # q4_0's layout with 8-channel groups (the tiny head_dim is 8)
+        return Int4GroupCodec(group=8)
     if name == "sign":
         return SignCodec(gaussian_projection(jax.random.key(3), HKV, D))
     if name == "vq":  # plain VQ: shared codebook, identity channel order
@@ -72,14 +74,14 @@ def _codec(name):
     raise ValueError(name)
 
 
-HAND_ROWS = ("f32", "bf16", "int8", "sign", "vq", "tasq_post", "cq", "cq_perm", "tasq",
+HAND_ROWS = ("f32", "bf16", "int8", "int4", "sign", "vq", "tasq_post", "cq", "cq_perm", "tasq",
              "kivi")
 # registered codecs (research/serving/kv_codecs.py) whose codec a hand row above already is;
 # every other registered codec becomes a row of its own, built by its registered
 # transform (calibrated ones on the tiny calibration below): registering a codec is
 # enough for this matrix to run it
-REGISTERED_AS = {"f32": "f32", "bf16": "bf16", "int8": "int8", "tasq-1bit": "tasq",
-                 "kivi-2bit": "kivi"}
+REGISTERED_AS = {"f32": "f32", "bf16": "bf16", "int8": "int8", "int4": "int4",
+                 "tasq-1bit": "tasq", "kivi-2bit": "kivi"}
 CODECS = HAND_ROWS + tuple(n for n in registry.names() if n not in REGISTERED_AS)
 PARAMS = init_params(CONFIG, jax.random.key(0))
 
@@ -263,13 +265,16 @@ def test_every_layout_equals_the_dense_layout_of_the_same_codec(codec_name):
 
 # Relative logit error vs the f32 codec (max over the script's steps and rows), as
 # (floor, bound) per codec. Measured on this script (seeds fixed above): bf16 2.1e-3,
-# int8 6.5e-3, TaSQ's default 0.23, KIVI-2 0.18, the registry's TaSQ post-RoPE 0.50 and
-# sign-1bit 1.12; the random-codebook rows (sign 1.24,
+# int8 6.5e-3, fp8 per layer 5.0e-2, fp8 per head 3.9e-2, int4 (q4_0, 8-channel groups)
+# 0.13, TaSQ's default 0.23, TaSQ 2-bit 0.17, KIVI-2 0.18, the registry's TaSQ post-RoPE
+# (codebooks at served positions) 0.57 and sign-1bit 1.12; the random-codebook rows (sign 1.24,
 # vq 0.91, tasq_post 1.12, cq 1.10, cq_perm 1.07) are far off the float logits, as random
 # centroids are, but each must still stay finite and bounded. Floors are ~1/10 of the
 # measured error and at least 2e-4, over a thousand times f32's own reordering noise
 # (~1e-7): a codec that silently kept float32 fails. Bounds are ~2-4x the measured error.
 ERROR_BOUNDS = {"bf16": (2e-4, 8e-3), "int8": (6e-4, 2e-2), "tasq": (2e-2, 0.5),
+                "fp8": (5e-3, 0.15), "fp8-head": (4e-3, 0.12), "int4": (1e-2, 0.4),
+                "tasq-2bit": (1.5e-2, 0.5),
                 "tasq-1bit-post": (5e-2, 1.5), "sign-1bit": (0.1, 2.5),
                 "kivi": (2e-2, 0.4), "sign": (0.1, 2.5), "vq": (0.1, 2.0),
                 "tasq_post": (0.1, 2.2), "cq": (0.1, 2.2), "cq_perm": (0.1, 2.2)}
@@ -294,6 +299,13 @@ def test_every_registered_codec_is_a_row():
                                                                        jax.random.key(0))),
                                          name)
             assert all(type(c.codec) is type(_codec(row)) for c in model.caches)
+            continue
+        if name == "int4":  # registered with q4_0's 32-channel groups: head_dim 32
+            plain = tiny_config(head_dim=32)
+            model = registry.codec_model(make_model(plain, init_params(plain,
+                                                                       jax.random.key(0))),
+                                         name)
+            assert all(c.codec == Int4GroupCodec() for c in model.caches)
             continue
         assert _registered(name)[1] == (_codec(row), _codec(row)), name
 

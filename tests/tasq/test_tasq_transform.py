@@ -160,3 +160,37 @@ def test_baselines_apply_and_run(model16, calib, make):
     toks = np.random.default_rng(4).integers(0, 97, (1, 24))
     err = attention_output_error(m, toks)["mean"]
     assert 0 < err < 2.0 and np.isfinite(err)
+
+
+def test_served_calibration_positions_cover_the_served_range(model16, calib):
+    """calibration_positions="served": post-RoPE keys are fitted at positions drawn over
+    [0, max_position), not only the calibration text's 0-63: every key is the exact RoPE
+    of its pre-RoPE key at a drawn position, and the draws reach the end of the range."""
+    from research.core.rope import apply_rope
+    from research.tasq.stats import collect
+    from research.tasq.transform import calibration_keys, served_positions
+
+    c = model16.config
+    st = collect(model16, calib)[0]
+    text = calibration_keys(st, CFG, c, np.random.default_rng(0))
+    np.testing.assert_array_equal(text, st.k)  # the text's own positions 0-63
+    served_cfg = dataclasses.replace(CFG, calibration_positions="served")
+    served = calibration_keys(st, served_cfg, c, np.random.default_rng(1))
+    pos = served_positions(len(st.k_pre), c.max_position, np.random.default_rng(1))
+    want = apply_rope(jnp.asarray(st.k_pre)[None], jnp.asarray(pos)[None], c.rope_theta)[0]
+    np.testing.assert_allclose(served, np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert pos.min() >= 0 and pos.max() < c.max_position
+    many = served_positions(20000, 8192, np.random.default_rng(2))
+    hist = np.histogram(many, bins=8, range=(0, 8192))[0]
+    assert hist.min() > 0.8 * hist.mean()  # uniform over the whole range, 8k included
+    assert many.max() > 8000 and 64 < np.median(many)
+    # pre-RoPE codes are position-free: the option changes nothing there
+    pre = dataclasses.replace(served_cfg, key_space="pre_rope")
+    np.testing.assert_array_equal(calibration_keys(st, pre, c, np.random.default_rng(0)),
+                                  st.k_pre)
+    with pytest.raises(ValueError, match="calibration_positions"):
+        TaSQConfig(calibration_positions="everywhere")
+    # the model calibrates and serves with it
+    served_model, _ = calibrate_and_apply(tasq(served_cfg), model16, calib)
+    assert np.all(np.isfinite(np.asarray(forward(served_model, jnp.ones((1, 8), jnp.int32),
+                                                 logits="last").logits)))
