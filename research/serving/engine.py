@@ -102,8 +102,8 @@ from research.model.llama import Model, forward
 from research.kv.prefix_cache import chain_hashes
 from research.serving.api import (MAX_LOGPROBS, EngineMetrics, QueueFullError, Request,
                                   RequestError, SamplingParams, TokenEvent, TopLogprobs)
-from research.serving.paged_pool import PagedPool, pow2
-from research.serving.sampling import process_logits, sample_per_row
+from research.decode.paged_pool import PagedPool, pow2
+from research.decode.sampling import process_logits, sample_per_row, sampling_bound
 
 QUEUED, PREFILLING, DECODING, FINISHED, ABORTED, PREEMPTED = (
     "queued", "prefilling", "decoding", "finished", "aborted", "preempted")
@@ -1089,9 +1089,9 @@ class ServingEngine:
         if not all(0 <= t < self.vocab_size for t, _ in p.logit_bias):
             raise RequestError("logit_bias", f"token ids must be integers in [0, "
                                              f"{self.vocab_size})")
-        if p.top_k > self.vocab_size:
-            raise RequestError("top_k", f"must be at most the vocabulary size "
-                                        f"{self.vocab_size} (0 = off), got {p.top_k}")
+        bound = sampling_bound("top_k", p.top_k, vocab_size=self.vocab_size)
+        if bound is not None:
+            raise RequestError("top_k", f"{bound}, got {p.top_k}")
         tokens = [int(t) for t in ids]
         req = _Req(request, tokens, len(tokens), TextStream(self.tokenizer, p.stop),
                    frozenset(self.stop_token_ids + tuple(int(t) for t in p.stop_token_ids)))
