@@ -326,7 +326,7 @@ def prefill_memory(rng, quick: bool, batch: int = 4, context: int = 8192,
     from research.model import init_params, make_model
     from research.model.config import ModelConfig
     from research.model.precision import kv_cache_dtype
-    from research.serving import generate as G
+    from research.decode import generate as G
     from research.transforms import calibrate_and_apply
     del rng
     cfg = ModelConfig(**SMOLLM2_SHAPE)

@@ -22,8 +22,9 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from research.model import init_params, make_model, tiny_config  # noqa: E402
-from research.serving.server import (EngineLoop, ServerConfig, ServerThread,  # noqa: E402
-                                     build_engine, create_app)
+from research.serving.engine_loop import EngineLoop  # noqa: E402
+from research.serving.server import ServerThread, build_engine, create_app  # noqa: E402
+from research.serving.state import ServerConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -11,7 +11,7 @@ from research.core.timing import time_fn
 from research.eval.perplexity import perplexity, windows
 from research.kv import memory
 from research.model import load
-from research.serving import generate as gen
+from research.decode import generate as gen
 from research.model.precision import kv_cache_dtype, weights_dtype
 from research.transforms import chain
 

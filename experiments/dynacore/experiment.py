@@ -28,8 +28,8 @@ from research.dynacore import (BF16, GPUS, H200, LINKS, LLAMA_31_70B, METHODS, W
                                tasq_codebook_bytes, tpot_s, transfer_s, ttft_s, w4a16, w8a8,
                                w8a16, weight_bytes, windows)
 from research.model import default_gguf_path, load
-from research.serving.generate import decode_loop, prefill
-from research.serving.sampling import SamplingConfig
+from research.decode.generate import decode_loop, prefill
+from research.decode.sampling import SamplingConfig
 from research.transforms import CalibrationData, calibrate_and_apply
 
 TECHNIQUE = "dynacore"

@@ -28,8 +28,8 @@ from research.core.timing import time_interleaved
 from research import data
 from research.dynacore import QuantConfig, quantize, w8a8, w8a16
 from research.model import load
-from research.serving.generate import decode_loop, decode_step, prefill
-from research.serving.sampling import SamplingConfig
+from research.decode.generate import decode_loop, decode_step, prefill
+from research.decode.sampling import SamplingConfig
 from research.transforms import CalibrationData, calibrate_and_apply
 
 

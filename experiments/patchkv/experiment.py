@@ -23,7 +23,7 @@ from research.patchkv import (ContextCache, ProbeConfig, RidgeConfig, am, answer
                               exact_match, grkv, param_shapes, patch_nbytes, patchkv,
                               prefill_batch, probe_context, reference_model, reply_prefix,
                               retrieval_task, score_continuations, split_range, summarize)
-from research.serving.generate import default_stop_tokens
+from research.decode.generate import default_stop_tokens
 from research.tasq import TaSQConfig, tasq
 from research.transforms import CalibrationData, Transform, calibrate_and_apply, chain, frozen
 

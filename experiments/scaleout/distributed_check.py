@@ -30,7 +30,7 @@ def run_check(args) -> dict:
     from jax.experimental import multihost_utils
 
     from research.model import init_params, make_model, tiny_config
-    from research.serving.generate import decode_step, prefill
+    from research.decode.generate import decode_step, prefill
     from research.sharding import make_mesh, per_device_bytes, shard_model
 
     n = jax.device_count()

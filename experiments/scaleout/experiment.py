@@ -15,7 +15,7 @@ from research import data
 from research.core.timing import time_interleaved
 from research.kv.paged import paged_kv_cache
 from research.model import load
-from research.serving.generate import decode_step, prefill
+from research.decode.generate import decode_step, prefill
 from research.sharding import (LLAMA31_8B, SLICES, SMOLLM2_135M, collective_summary,
                                gathers_of, make_mesh, modeled_decode_step, modeled_layouts,
                                override_rules, per_device_bytes, shard_model)

@@ -11,7 +11,7 @@ from experiments import common, protocol
 from experiments.serving import loadgen as lg
 from research import data
 from research.model import load
-from research.serving.generate import default_stop_tokens
+from research.decode.generate import default_stop_tokens
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # dev/test protocol declarations (experiments/protocol.py where it exists): nothing here
@@ -74,7 +74,9 @@ def _peak(samples) -> int:
 
 def sweep(engine, tok, config) -> list[dict]:
     """Rate sweep over HTTP: the real server (uvicorn in a thread) on `engine`."""
-    from research.serving.server import EngineLoop, ServerConfig, ServerThread, create_app
+    from research.serving.engine_loop import EngineLoop
+    from research.serving.server import ServerThread, create_app
+    from research.serving.state import ServerConfig
     loop = EngineLoop(engine).start()
     app = create_app(loop, tok, ServerConfig(model_name=MODEL_NAME,
                                              max_context=config.engine.max_len))

@@ -91,7 +91,9 @@ def evaluate(served, tok, config, task_dir: pathlib.Path) -> dict:
     from lm_eval.tasks import TaskManager
 
     from research.serving.engine import ServingEngine
-    from research.serving.server import EngineLoop, ServerConfig, ServerThread, create_app
+    from research.serving.engine_loop import EngineLoop
+    from research.serving.server import ServerThread, create_app
+    from research.serving.state import ServerConfig
     # warm, as a server started with its default --warmup_scoring: the scoring / logprobs
     # programs compile here, outside the timed evaluation ("warmup s" column)
     w0 = time.perf_counter()

@@ -68,7 +68,7 @@ def served_model(model, tok, codec: str, config):
 
 def block_bytes(served, block_size: int) -> int:
     """Bytes of one KV block of `served`'s codec in the engine's pool (real arrays)."""
-    from research.serving.paged_pool import PagedPool
+    from research.decode.paged_pool import PagedPool
     return PagedPool(served, n_blocks=1, block_size=block_size, max_len=block_size).block_bytes
 
 
@@ -121,7 +121,7 @@ def prefill_memory(model, batch: int, context: int, chunk: int) -> dict:
     """Bytes XLA plans (arguments + temporaries) for one generate prefill of
     batch x context tokens in one piece and in `chunk`-token pieces (bf16 cache)."""
     from research.model.precision import kv_cache_dtype
-    from research.serving import generate as G
+    from research.decode import generate as G
     from research.transforms import calibrate_and_apply
     m = calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0]
     states = jax.eval_shape(lambda: m.init_cache(batch, context + 16))

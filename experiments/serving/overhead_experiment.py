@@ -11,7 +11,7 @@ import numpy as np
 
 from experiments import common
 from research.model import load
-from research.serving import generate as G
+from research.decode import generate as G
 from research.serving.api import Request, SamplingParams
 
 TECHNIQUE = "serving"
@@ -129,7 +129,7 @@ def _median_ms(fn, reps: int) -> float:
 def sampling_profile(vocab: int, batch: int, reps: int) -> list[dict]:
     """The engine's sampler on [batch, vocab] logits: all greedy, half the rows sampled
     (top-p 0.9), and the full-vocabulary sort it replaced (the reference filter + draw)."""
-    from research.serving.sampling import filter_logits_per_row, sample_per_row
+    from research.decode.sampling import filter_logits_per_row, sample_per_row
     logits = jax.random.normal(jax.random.key(0), (batch, vocab)) * 3
     keys = jnp.zeros((batch, 2), jnp.uint32)
     hot = jnp.arange(batch) % 2 == 0
@@ -154,7 +154,7 @@ def pool_size_profile(served, batch: int, config, reps: int) -> list[dict]:
     """One decode forward of the engine (`serve_forward`, bf16 pages) as the pool grows at
     the same live rows: flat when pages are updated in place."""
     from research.serving.engine import serve_forward
-    from research.serving.paged_pool import PagedPool
+    from research.decode.paged_pool import PagedPool
     rows = []
     per_seq = -(-config.max_len // config.block_size)
     live = -(-(config.prompt_tokens + 1) // config.block_size)

@@ -16,8 +16,8 @@ from experiments import common, protocol
 from experiments.specdecode import prompts as P
 from research.core.timing import geomean, time_interleaved
 from research.model import load
-from research.serving.generate import PAD_BUCKET, default_stop_tokens, generate, round_up
-from research.serving.sampling import SamplingConfig
+from research.decode.generate import PAD_BUCKET, default_stop_tokens, generate, round_up
+from research.decode.sampling import SamplingConfig
 from research.specdecode import (DraftLengthPolicy, chisquare_pvalue, early_exit,
                                  exact_sequence_law, measure_step_costs, model_drafter,
                                  prompt_lookup, speculative_generate)

@@ -72,7 +72,7 @@ for bad in (lambda: quantize(w4a16(128)).calibrate(model, None),
 # forward on the undivided model is an error.
 
 # %%
-from research.serving.generate import generate_text
+from research.decode.generate import generate_text
 # the settings the experiment chose on its dev windows (results/dynacore_small)
 dc, dc_state = calibrate_and_apply(
     dynacore(prefill=w8a8(smooth=0.5), decode=w4a16(64, zero_point='float', method='gptq')),

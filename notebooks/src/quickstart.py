@@ -35,8 +35,8 @@ print(model.config)
 # ## Generate (greedy and sampled)
 
 # %%
-from research.serving.generate import generate_text
-from research.serving.sampling import SamplingConfig
+from research.decode.generate import generate_text
+from research.decode.sampling import SamplingConfig
 print(generate_text(model, tokenizer, ['What is the capital of France?'], max_new_tokens=20))
 print(generate_text(model, tokenizer, ['Name a color.'], max_new_tokens=12,
                     sampling=SamplingConfig(temperature=0.8, top_k=40, top_p=0.95),

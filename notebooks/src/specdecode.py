@@ -30,8 +30,8 @@ except importlib.metadata.PackageNotFoundError:
 # %%
 import jax
 from research.model import load
-from research.serving.generate import generate, default_stop_tokens
-from research.serving.sampling import SamplingConfig
+from research.decode.generate import generate, default_stop_tokens
+from research.decode.sampling import SamplingConfig
 from research.specdecode import (DraftLengthPolicy, prompt_lookup, early_exit,
                                  model_drafter, layer_subset_model, speculative_generate)
 model, tokenizer = load()

@@ -15,8 +15,9 @@ from research.dynacore.gptq import ZERO_POINTS, gptq_quantize, rtn_quantize
 from research.dynacore.quant import (METHODS, QuantConfig, QuantizedLinear, quantize_weight,
                                      w4a16, w8a8, w8a16)
 from research.dynacore.transform import (PhaseWeights, calibrate_weights, calibration_stats,
-                                         dynacore, linear_weights, quantize, restore_state,
-                                         save_state, weight_bytes)
+                                         dynacore, quantize, restore_state, save_state,
+                                         weight_bytes)
+from research.dynacore.weights import linear_weights
 
 __all__ = ["LINKS", "LLAMA_31_70B", "Pool", "crossover_tokens", "kv_bytes",
            "kv_bytes_per_token", "request_cost", "tasq_codebook_bytes", "transfer_s", "B200",

@@ -13,7 +13,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from research.dynacore.weights import replace_weights
 from research.model.layers import LinearWeight
+from research.model.llama import forward
 
 
 @dataclasses.dataclass
@@ -72,11 +74,8 @@ class _Recorder(LinearWeight):
 def input_stats(model, weights: dict, tokens, lengths, batch_size: int = 4
                 ) -> dict[str, InputStats]:
     """{key: InputStats} for each float weight in `weights` ({"<layer>/<name>": [K, N]}
-    as `transform.linear_weights` gives), from the model run over `tokens` [B, T]
+    as `weights.linear_weights` gives), from the model run over `tokens` [B, T]
     (row b's real tokens are tokens[b, :lengths[b]])."""
-    from research.dynacore.transform import replace_weights  # import cycle: transform
-    from research.model.llama import forward                 # uses this module
-
     tokens = np.asarray(tokens, np.int32)
     lengths = np.asarray(lengths, np.int32)
     if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:

@@ -93,8 +93,8 @@ def prefix_nbytes(records: list[dict]) -> int:
 
 def serve(model: Model, sock: socket.socket) -> None:
     """The decode side: answer requests until "bye" (one connection)."""
-    from research.serving.generate import decode_loop
-    from research.serving.sampling import SamplingConfig
+    from research.decode.generate import decode_loop
+    from research.decode.sampling import SamplingConfig
     while True:
         msg = recv_msg(sock)
         kind = msg["kind"]

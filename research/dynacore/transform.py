@@ -34,32 +34,13 @@ from research.dynacore.calib import input_stats
 from research.dynacore.gptq import ZERO_DTYPE
 from research.dynacore.quant import (QuantConfig, QuantizedLinear, check_finite_scale,
                                      quantize_weight)
+from research.dynacore.weights import LINEAR_NAMES, linear_weights, replace_weights
 from research.model.layers import LinearWeight
 from research.model.llama import Model
 from research.transforms import CalibrationData, Transform
 
-LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FINGERPRINT_RTOL = 1e-2  # bf16 vs f32 copies of one model agree to ~1e-3
 STATE_ARRAYS = ("qvalue", "scale", "zero", "act_scale")  # QuantizedLinear's, in order
-
-
-def linear_weights(model: Model) -> dict[str, jax.Array]:
-    """{"<layer>/<name>": float [K, N]} for every linear weight quantization covers."""
-    c = model.config
-    out = {}
-    for i, p in enumerate(model.params["layers"]):
-        if c.is_moe(i):
-            raise ValueError(f"layer {i} is an MoE layer: quantizing expert weights "
-                             "[E, K, N] is not supported (dense FFN layers only)")
-        for name in LINEAR_NAMES:
-            out[f"{i}/{name}"] = p[name]
-    if not c.tie_embeddings:
-        out["lm_head"] = model.params["lm_head"]
-    for key, w in out.items():
-        if isinstance(w, LinearWeight):
-            raise ValueError(f"weight {key} is already quantized ({type(w).__name__}): "
-                             "quantize the float model")
-    return out
 
 
 def fingerprint(weights: dict[str, jax.Array]) -> np.ndarray:
@@ -137,19 +118,6 @@ def _quantized(model: Model, state, config: QuantConfig) -> dict[str, QuantizedL
                                    for name in STATE_ARRAYS),
                                  config, tuple(weights[key].shape))
             for key, e in state["weights"].items()}
-
-
-def replace_weights(model: Model, new: dict, tag: str) -> Model:
-    params = dict(model.params)
-    layers = [dict(p) for p in params["layers"]]
-    for key, w in new.items():
-        if key == "lm_head":
-            params["lm_head"] = w
-        else:
-            i, name = key.split("/")
-            layers[int(i)][name] = w
-    params["layers"] = tuple(layers)
-    return model.replace(params=params, tags=model.tags + (tag,))
 
 
 def quantize(config: QuantConfig) -> Transform:

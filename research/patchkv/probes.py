@@ -32,8 +32,8 @@ import numpy as np
 from research.model.llama import Model, default_caches
 from research.patchkv import layerwise, session
 from research.patchkv.session import prefill_batch, tile_states
-from research.serving import generate as gen
-from research.serving.sampling import SamplingConfig
+from research.decode import generate as gen
+from research.decode.sampling import SamplingConfig
 from research.transforms import CalibrationData
 
 

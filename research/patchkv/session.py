@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.model.llama import Model, forward
-from research.serving import generate as gen
+from research.decode import generate as gen
 
 
 BUCKET = 64  # context chunks and caches are padded to a multiple of this (fewer compiles)

@@ -35,6 +35,8 @@ from typing import Literal
 
 import numpy as np
 
+from research.decode.sampling import SamplingConfig, SamplingError, check_sampling
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_LOGPROBS = 20  # alternatives per token the engine can return (OpenAI chat's limit)
 
@@ -74,12 +76,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
-            raise RequestError("temperature", f"must be a number in [0, 100], got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise RequestError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        try:  # the bounds SamplingConfig, the server's models and the CLI check too
+            check_sampling(self.temperature, self.top_k, self.top_p)
+        except SamplingError as e:
+            raise RequestError(e.field, f"{e.bound}, got {e.value!r}") from None
         lo = 0 if self.prompt_logprobs is not None else 1
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= lo):
             raise RequestError("max_tokens", f"must be an integer >= {lo}, got "
@@ -104,6 +104,11 @@ class SamplingParams:
                     and -100.0 <= item[1] <= 100.0):
                 raise RequestError("logit_bias", f"must be (token id, bias in [-100, 100]) "
                                                  f"pairs, got {item!r}")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The temperature / top-k / top-p part, as `research.decode.generate` takes it."""
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
 
     @property
     def processed(self) -> bool:

@@ -36,16 +36,20 @@ def main(argv):
         except ValueError as e:
             raise app.UsageError(str(e)) from None
 
+    from research.decode.generate import generate_text
+    from research.decode.sampling import SamplingConfig, SamplingError
     from research.model import load
-    from research.serving.generate import generate_text
-    from research.serving.sampling import SamplingConfig
 
+    try:  # the bounds the server checks too (research/decode/sampling.py)
+        sampling = SamplingConfig(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    except SamplingError as e:
+        raise app.UsageError(f"--{e.field} {e.bound}, got {e.value!r}") from None
     model, tok = load(_GGUF.value or None, dtype=_DTYPE.value)
     if _KV_CODEC.value != "f32":
         model = registry.served_model(model, tok, _KV_CODEC.value, seed=_SEED.value)
     outs = generate_text(model, tok, _PROMPT.value, chat=_CHAT.value,
                          max_new_tokens=_MAX_NEW.value, key=jax.random.key(_SEED.value),
-                         sampling=SamplingConfig(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value))
+                         sampling=sampling)
     for prompt, out in zip(_PROMPT.value, outs):
         print(f"### {prompt}\n{out}\n")
 

@@ -23,8 +23,11 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 
+from research.decode.sampling import OPENAI_MAX_TEMPERATURE, SAMPLING_FIELDS, sampling_bound
 from research.serving.api import MAX_LOGPROBS
 
 MAX_JSON_DEPTH = 64
@@ -185,10 +188,12 @@ class _Sampling(_Strict):
     repetition_penalty, stop_token_ids)."""
 
     model: str = Field(min_length=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # -1 or 0: off (vLLM uses -1);
-    #                                                       the router bounds it by vocab
+    # temperature / top_p / top_k: research/decode/sampling.py's bounds (`_sampling`),
+    # temperature at most OpenAI's 2; top_k -1 or 0: off (vLLM uses -1), the router
+    # bounds it by the vocabulary
+    temperature: float | None = None
+    top_k: int | None = Field(None, le=INT32_MAX)
+    top_p: float | None = None
     seed: int | None = Field(None, ge=-2**63, lt=2**63)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
@@ -206,6 +211,19 @@ class _Sampling(_Strict):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
+
+    @field_validator(*SAMPLING_FIELDS)
+    @classmethod
+    def _sampling(cls, value, info: ValidationInfo):
+        """The sampling settings' one validation (research/decode/sampling.py)."""
+        if value is None:
+            return value
+        bound = sampling_bound(info.field_name, 0 if value == -1 and info.field_name == "top_k"
+                               else value, max_temperature=OPENAI_MAX_TEMPERATURE)
+        if bound is not None:
+            raise PydanticCustomError("sampling_bounds", bound + (
+                " or -1" if info.field_name == "top_k" else ""))
+        return value
 
     def refuse_noops(self) -> None:
         for name in NOOP_FIELDS:

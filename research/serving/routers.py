@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import math
 import random
@@ -29,37 +28,14 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from research.decode.sampling import sampling_bound
 from research.serving import protocol as P
 from research.serving.api import (QueueFullError, Request, RequestError, SamplingParams,
                                   TokenEvent)
+from research.serving.chat_template import chat_messages, encode_chat
+from research.serving.engine_loop import EngineDead
 from research.serving.protocol import ApiError
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped after an exception; the server answers 503."""
-
-
-@dataclasses.dataclass
-class ServerState:
-    """What every router reads: the engine loop, tokenizer, config and metrics."""
-
-    engine_loop: Any
-    tokenizer: Any
-    config: Any  # server.ServerConfig
-    metrics: Any  # (registry, ttft, tpot, finished, rejected)
-    stop_ids: tuple[int, ...]
-    created: int
-
-    @functools.cached_property
-    def token_str(self):
-        """Token id -> its text (for logprobs' `tokens`), memoised."""
-        tok = self.tokenizer
-
-        @functools.lru_cache(maxsize=1 << 16)
-        def one(i: int) -> str:
-            return tok.decode([i])
-
-        return one
+from research.serving.state import ServerState
 
 
 async def read_body(http: HttpRequest, limit: int) -> bytes:
@@ -169,9 +145,10 @@ def _params(state: ServerState, req: P._Sampling, n_prompt: int, max_new: int | 
                             f"tokens and the context is {cfg.max_context} (at most {room} new "
                             f"tokens)", max_field)
     vocab = state.tokenizer.vocab_size
-    if req.top_k is not None and req.top_k > vocab:
-        raise ApiError(400, f"top_k must be -1 or 0 (off) or at most the vocabulary size "
-                            f"{vocab}, got {req.top_k}", "top_k")
+    top_k = max(0, req.top_k or 0)  # -1 (vLLM's off) is 0
+    bound = sampling_bound("top_k", top_k, vocab_size=vocab)
+    if bound is not None:
+        raise ApiError(400, f"top_k {bound}, got {req.top_k}", "top_k")
     extra = list(req.stop_token_ids or [])
     if not all(0 <= t < vocab for t in extra):
         raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})",
@@ -179,7 +156,7 @@ def _params(state: ServerState, req: P._Sampling, n_prompt: int, max_new: int | 
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k, top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed, max_new_tokens=max_new, stop=req.stop_list(),
             stop_token_ids=tuple(sorted(set(state.stop_ids) | set(extra))),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -230,16 +207,14 @@ def completion_jobs(state: ServerState, req: P.CompletionRequest) -> list[Job]:
 
 
 def chat_jobs(state: ServerState, req: P.ChatCompletionRequest) -> list[Job]:
-    from research.serving.server import encode_chat
     req.refuse_noops()
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     if req.n > state.config.max_choices:
         raise ApiError(400, f"n={req.n} exceeds the server's {state.config.max_choices} "
                             f"choices per request", "n")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        ids = encode_chat(state.tokenizer, messages)
+        ids = encode_chat(state.tokenizer, chat_messages(req.messages))
     except ValueError as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
     if req.max_completion_tokens is not None:
@@ -311,7 +286,7 @@ class Run:
             raise ApiError(503, f"engine failed: {ev}", None, "server_error")
         if ev.finish_reason == "error":  # this request failed inside the engine's step
             self.open.discard(ev.request_id)
-            self.state.metrics[3].labels("error").inc()
+            self.state.metrics.finished.labels("error").inc()
             raise ApiError(500, f"the engine failed this request: {ev.error}"[:500], None,
                            "server_error")
         self.see(ev)
@@ -366,7 +341,7 @@ class Run:
                 if time.perf_counter() - checked >= poll:
                     checked = time.perf_counter()
                     if await http.is_disconnected():
-                        self.state.metrics[3].labels("client_gone").inc()
+                        self.state.metrics.finished.labels("client_gone").inc()
                         self.abort()
                         return False
         except BaseException:
@@ -514,7 +489,7 @@ def openai_router(state: ServerState) -> APIRouter:
         finally:
             if not done:  # the client went away (or the server is shutting down)
                 run.abort()
-                state.metrics[3].labels("client_gone").inc()
+                state.metrics.finished.labels("client_gone").inc()
 
     @router.post("/v1/completions")
     async def completions(http: HttpRequest):
@@ -581,13 +556,11 @@ def tokenizer_router(state: ServerState) -> APIRouter:
             raise P.validation_error(e) from None
         check_model(state, req.model, required=False)
         if isinstance(req, P.TokenizeChatRequest):
-            from research.serving.server import encode_chat
             if not req.add_generation_prompt:
                 raise P.unsupported("add_generation_prompt", False,
                                     " (chat prompts end with the assistant's turn)")
             try:
-                ids = encode_chat(tok, [{"role": m.role, "content": m.text()}
-                                        for m in req.messages])
+                ids = encode_chat(tok, chat_messages(req.messages))
             except ValueError as e:
                 raise ApiError(400, f"messages: {e}", "messages") from None
         else:
@@ -643,7 +616,7 @@ def admin_router(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics():
-        return PlainTextResponse(generate_latest(state.metrics[0]),
+        return PlainTextResponse(generate_latest(state.metrics.registry),
                                  headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return router

@@ -18,11 +18,14 @@ lm-evaluation-harness runs against it as `lm_eval --model local-completions --ba
 --model_args base_url=http://HOST:PORT/v1/completions,model=NAME,tokenizer_backend=remote,
 max_length=MAX_LEN` (MAX_LEN = --max_len; the full command: tests/serving/test_lm_eval.py).
 
+Modules: server.py (this: the app, metrics, uvicorn, flags), routers.py (endpoints),
+protocol.py (pydantic models), state.py (ServerConfig / ServerState the routers share),
+engine_loop.py (the engine thread), chat_template.py (chat messages -> token ids).
+
 Threading: one engine thread owns the engine (the api.py contract: every engine method is
-called from one thread). HTTP handlers never touch the engine; they post commands
-(add / abort) to the engine thread and receive `TokenEvent`s through per-request asyncio
-queues (`loop.call_soon_threadsafe`). The thread drains commands, runs `engine.step()`
-while the engine has work and sleeps on an event otherwise.
+called from one thread; research/serving/engine_loop.py). HTTP handlers never touch the
+engine; they post commands (add / abort) to the engine thread and receive `TokenEvent`s
+through per-request asyncio queues (`loop.call_soon_threadsafe`).
 
 Errors: malformed JSON, unknown or bad fields, prompt too long -> 400 with an OpenAI-style
 error body whose `param` names the field (fields OpenAI defines that are not implemented,
@@ -37,188 +40,25 @@ disconnects (streaming or not) has its request aborted, which frees its KV block
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import hmac
-import logging
-import queue
 import socket
 import threading
 import time
-from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from research.serving import kv_codecs
-from research.serving.api import EngineMetrics, Request, TokenEvent
+from research.serving.engine_loop import EngineLoop
 from research.serving.protocol import MAX_BODY_BYTES, ApiError
-from research.serving.routers import (EngineDead, ServerState, admin_router, openai_router,
-                                      tokenizer_router)
+from research.serving.routers import admin_router, openai_router, tokenizer_router
+from research.serving.state import ServerConfig, ServerMetrics, ServerState
 
 # latency buckets (seconds) wide enough for a CPU-hosted model under load
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-IDLE_WAIT_S = 0.05
-
-
-# --------------------------------------------------------------------------- engine loop
-
-
-class EngineLoop:
-    """The one thread that calls the engine; handlers talk to it through `submit`/`abort`."""
-
-    def __init__(self, engine, *, idle_wait_s: float = IDLE_WAIT_S):
-        self.engine = engine
-        self._idle_wait_s = idle_wait_s
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._metrics = EngineMetrics()
-        self.error: BaseException | None = None
-        self.steps = 0
-        self._thread = threading.Thread(target=self._run, name="servax-engine", daemon=True)
-
-    # -- called from handlers (any thread)
-    def start(self) -> "EngineLoop":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    def metrics(self) -> EngineMetrics:
-        with self._lock:
-            return dataclasses.replace(self._metrics)
-
-    def submit(self, request: Request, events: asyncio.Queue,
-               loop: asyncio.AbstractEventLoop) -> concurrent.futures.Future:
-        """Queue `request` for the engine; the future resolves once the engine accepted it
-        (or raises QueueFullError / RequestError / EngineDead). Its TokenEvents are put on
-        `events` in `loop`."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.alive:
-            fut.set_exception(EngineDead(f"engine stopped: {self.error!r}"))
-            return fut
-        with self._lock:
-            if request.request_id in self._subscribers:
-                raise ValueError(f"duplicate request_id {request.request_id!r}")
-            self._subscribers[request.request_id] = (loop, events)
-        self._commands.put(("add", request, fut))
-        self._wake.set()
-        if not self.alive:  # died between the check above and the put: nobody will answer
-            self._fail_future(fut)
-        return fut
-
-    def _fail_future(self, fut: concurrent.futures.Future) -> None:
-        try:
-            fut.set_exception(EngineDead(f"engine stopped: {self.error!r}"))
-        except concurrent.futures.InvalidStateError:
-            pass
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._subscribers.pop(request_id, None)
-        self._commands.put(("abort", request_id, None))
-        self._wake.set()
-
-    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Run `fn(engine)` on the engine thread (e.g. a consistent read for tests)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", fn, fut))
-        self._wake.set()
-        return fut
-
-    # -- the engine thread
-    def _run(self) -> None:
-        try:
-            self._refresh_metrics()
-            while not self._stop.is_set():
-                self._drain_commands()
-                if self.engine.has_work():
-                    events = self.engine.step()
-                    self.steps += 1
-                    self._dispatch(events)
-                    self._refresh_metrics()
-                else:
-                    self._refresh_metrics()
-                    self._wake.wait(self._idle_wait_s)
-                    self._wake.clear()
-        except BaseException as e:  # noqa: BLE001 - reported to every waiting handler
-            self.error = e
-            logging.getLogger("servax.server").exception("engine thread stopped")
-            self._fail_all(e)
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                kind, payload, fut = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                try:
-                    self.engine.add_request(payload)
-                except Exception as e:  # noqa: BLE001 - this request fails, not the engine
-                    # (add_request changes nothing before it accepts: QueueFullError -> 429,
-                    # RequestError -> 400, anything else -> 500 for this request only)
-                    with self._lock:
-                        self._subscribers.pop(payload.request_id, None)
-                    fut.set_exception(e)
-                else:
-                    fut.set_result(None)
-            elif kind == "abort":
-                self.engine.abort(payload)
-            elif kind == "call":
-                try:
-                    fut.set_result(payload(self.engine))
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
-
-    def _dispatch(self, events: Sequence[TokenEvent]) -> None:
-        with self._lock:
-            for ev in events:
-                sub = self._subscribers.get(ev.request_id)
-                if sub is None:
-                    continue  # aborted by its client; the engine has been told
-                loop, q = sub
-                if ev.finish_reason is not None:
-                    del self._subscribers[ev.request_id]
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, ev)
-                except RuntimeError:  # the handler's event loop is closed
-                    pass
-
-    def _refresh_metrics(self) -> None:
-        m = self.engine.metrics()
-        with self._lock:
-            self._metrics = m
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            subs, self._subscribers = self._subscribers, {}
-        while True:
-            try:
-                kind, _, fut = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if fut is not None:
-                self._fail_future(fut)
-        for loop, q in subs.values():
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, EngineDead(repr(error)))
-            except RuntimeError:
-                pass
 
 
 # --------------------------------------------------------------------------- metrics
@@ -278,22 +118,10 @@ def _make_metrics(engine_loop: EngineLoop):
                        ["finish_reason"], registry=registry)
     rejected = Counter("servax_rejected_requests", "requests refused by HTTP status",
                        ["status"], registry=registry)
-    return registry, ttft, tpot, finished, rejected
+    return ServerMetrics(registry, ttft, tpot, finished, rejected)
 
 
 # --------------------------------------------------------------------------- the app
-
-
-@dataclasses.dataclass
-class ServerConfig:
-    model_name: str = "SmolLM2-135M-Instruct"
-    max_context: int = 2048  # prompt + max_tokens must fit; the engine may refuse sooner
-    default_max_tokens: int = 256  # chat requests without max_tokens
-    disconnect_poll_s: float = 0.25  # non-streaming requests check for a gone client
-    api_key: str | None = None  # when set, every endpoint but /health and /metrics
-    #                             wants "Authorization: Bearer <api_key>" (else 401)
-    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
-    max_choices: int = 64  # prompts x n per request (at most the engine's max_queue)
 
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -304,14 +132,16 @@ def create_app(engine_loop: EngineLoop, tokenizer, config: ServerConfig = Server
     `engine_loop` must be started by the caller."""
     from fastapi.exceptions import RequestValidationError
 
+    from research.decode.generate import default_stop_tokens
+
     app = FastAPI(title="servax", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = _make_metrics(engine_loop)
-    registry, rejected_c = metrics[0], metrics[4]
+    registry, rejected_c = metrics.registry, metrics.rejected
     max_queue = getattr(engine_loop.engine, "max_queue", None)
     if max_queue is not None and config.max_choices > max_queue:
         config = dataclasses.replace(config, max_choices=max_queue)
     app.state.engine_loop, app.state.registry = engine_loop, registry
-    state = ServerState(engine_loop, tokenizer, config, metrics, _default_stop_ids(tokenizer),
+    state = ServerState(engine_loop, tokenizer, config, metrics, default_stop_tokens(tokenizer),
                         int(time.time()))
 
     def error(e: ApiError) -> JSONResponse:
@@ -352,43 +182,6 @@ def create_app(engine_loop: EngineLoop, tokenizer, config: ServerConfig = Server
     for router in (openai_router(state), tokenizer_router(state), admin_router(state)):
         app.include_router(router)
     return app
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the model's chat template, where the
-    template's own text may hold control tokens (<|im_start|>...) but message contents
-    never do: a user who writes "<|im_end|>" gets those characters, not the token.
-
-    Contents are replaced by sentinels, the template is rendered, and the pieces between
-    sentinels (template text) are encoded with special tokens parsed, the contents as
-    plain text. Templates that alter the content text (so a sentinel does not come out
-    intact, once) are refused rather than mis-tokenized."""
-    marks = [f"\x00servax-content-{i}\x00" for i in range(len(messages))]
-    if any("\x00" in m["content"] for m in messages):
-        raise ValueError("message content must not contain NUL characters")
-    text = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": mark} for m, mark in zip(messages, marks)],
-        add_generation_prompt=True)
-    ids: list[int] = []
-    rest = text
-    for m, mark in zip(messages, marks):
-        if rest.count(mark) != 1:
-            raise ValueError("the chat template does not copy message contents verbatim; "
-                             "cannot keep control tokens out of user text")
-        head, rest = rest.split(mark)
-        ids += tokenizer.encode(head) if head else []
-        if m["content"]:
-            ids += tokenizer.encode(m["content"], parse_special=False)[
-                1 if tokenizer.add_bos and tokenizer.bos_id is not None else 0:]
-    if rest:
-        ids += tokenizer.encode(rest)[1 if tokenizer.add_bos and tokenizer.bos_id is not None
-                                      and ids else 0:]
-    return ids
-
-
-def _default_stop_ids(tokenizer) -> tuple[int, ...]:
-    from research.serving.generate import default_stop_tokens
-    return default_stop_tokens(tokenizer)
 
 
 # --------------------------------------------------------------------------- running

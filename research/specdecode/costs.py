@@ -19,8 +19,8 @@ import numpy as np
 
 from research.core.timing import time_interleaved
 from research.model.llama import Model
-from research.serving.generate import prefill
-from research.serving.sampling import SamplingConfig
+from research.decode.generate import prefill
+from research.decode.sampling import SamplingConfig
 from research.specdecode.drafters import DraftContext, Drafter
 from research.specdecode.generate import _verify_branch
 from research.specdecode.rollback import with_rollback_slack

@@ -15,7 +15,7 @@ import numpy as np
 from scipy import stats
 
 from research.model.llama import Model, forward
-from research.serving.sampling import SamplingConfig, token_probs
+from research.decode.sampling import SamplingConfig, token_probs
 
 
 def exact_sequence_law(model: Model, prompt: Sequence[int], sampling: SamplingConfig,

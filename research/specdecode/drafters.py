@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from research.model.llama import Model, forward
-from research.serving.sampling import SamplingConfig, sample, token_probs
+from research.decode.sampling import SamplingConfig, sample, token_probs
 from research.specdecode import layers as layer_subset
 from research.specdecode import rollback
 

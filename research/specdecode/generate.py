@@ -12,7 +12,7 @@ One jitted `lax.while_loop` (no host round-trip per token). Each step:
      rolled back by not advancing the length (see `rollback`).
 
 Sampling uses the same filtered distribution as plain decoding (`token_probs`), so the
-output is distributed exactly as `research.serving.generate.generate`'s; greedy output is
+output is distributed exactly as `research.decode.generate.generate`'s; greedy output is
 identical token for token. The random stream differs from plain decoding's, so sampled
 sequences for the same key are different draws from the same distribution.
 """
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.model.llama import Model, forward
-from research.serving.generate import prefill, prepare_prompts
-from research.serving.sampling import SamplingConfig, sample, token_probs
+from research.decode.generate import prefill, prepare_prompts
+from research.decode.sampling import SamplingConfig, sample, token_probs
 from research.specdecode import policy as pol
 from research.specdecode.drafters import Draft, DraftContext, Drafter
 from research.specdecode.rollback import (check_rollback_cached, truncate_states,
@@ -209,7 +209,7 @@ def speculative_generate(model: Model, prompts: Sequence[Sequence[int]], *, draf
                          stop_tokens: Sequence[int] = (), max_len: int | None = None,
                          policy: pol.DraftLengthPolicy = pol.DraftLengthPolicy()
                          ) -> SpecGeneration:
-    """Like `research.serving.generate.generate`, with drafting + exact verification.
+    """Like `research.decode.generate.generate`, with drafting + exact verification.
 
     drafter: e.g. `prompt_lookup()`, `early_exit(8)`, `model_drafter(small_model)`.
     policy: draft lengths, their measured costs, adaptivity (see `DraftLengthPolicy`).

@@ -2,7 +2,7 @@
 
 Sequences are token lists on the host plus KV blocks on the device. The blocks, the
 device pools and the paged model are the serving engine's pool core
-(`research.serving.paged_pool.PagedPool`, shared with `research.serving.engine`): the
+(`research.decode.paged_pool.PagedPool`, shared with `research.serving.engine`): the
 search runs on the same cache machinery the server does. Each sequence keeps
 at least one *pending* token: the tokens whose KV is not computed yet. Three batched
 operations advance any set of sequences in one forward pass of the unmodified model:
@@ -41,7 +41,7 @@ import numpy as np
 
 from research.kv import paged
 from research.model.llama import Model, forward
-from research.serving.paged_pool import PagedPool, pow2
+from research.decode.paged_pool import PagedPool, pow2
 
 MODES = ("prefill", "score", "sample")
 

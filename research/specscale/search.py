@@ -53,7 +53,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from research.serving.generate import default_stop_tokens
+from research.decode.generate import default_stop_tokens
 from research.specscale.engine import PagedEngine, child_key
 from research.specscale.verifier import LikelihoodVerifier, ProcessVerifier
 

@@ -14,7 +14,7 @@ from research.dynacore import (BF16, H200, LINKS, LLAMA_31_70B, W4A16_G64, Decod
                                restore_state, save_state, tpot_s, transfer_s, w4a16, w8a8,
                                w8a16, weight_bytes)
 from research.model import forward, init_params, make_model, tiny_config
-from research.serving.generate import generate, prefill
+from research.decode.generate import generate, prefill
 from research.transforms import calibrate_and_apply
 
 CONFIG = tiny_config(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128)

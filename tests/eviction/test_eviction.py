@@ -15,7 +15,7 @@ from research.eviction.policies import H2O, KeyNorm, SnapKV, StreamingLLM, make_
 from research.kv.window import WindowKVCache
 from research.model import forward, init_params, make_model, tiny_config
 from research.core.attention import attend
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.model.precision import kv_cache_dtype
 from research.transforms import calibrate_and_apply, chain
 

@@ -9,7 +9,7 @@ from research.kv.block_allocator import BlockManager
 from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.model import forward
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.transforms import calibrate_and_apply
 
 

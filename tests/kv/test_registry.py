@@ -12,7 +12,7 @@ from research.kv.layouts import replace_codecs
 from research.kv.paged import paged_kv_cache
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.transforms import calibrate_and_apply, stateless
 from tests.serving.test_engine import CharTokenizer
 from tests.serving.test_engine_reads import base  # noqa: F401 - the fixture: a tiny model

@@ -49,3 +49,17 @@ def test_cli_kv_codec_comes_from_the_registry(tmp_path):
     bad = subprocess.run(base + ["--kv_codec=int3"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and "kv_codec" in bad.stderr and "tasq-1bit" in bad.stderr
+
+
+def test_cli_refuses_sampling_flags_out_of_bounds_by_name():
+    """The CLI checks --temperature / --top_k / --top_p with the bounds the server uses
+    (research/decode/sampling.py), before loading a model: a usage error, no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for flag, bound in (("--top_p=0", "--top_p must be a number in (0, 1]"),
+                        ("--temperature=-1", "--temperature must be a number in [0, 100]"),
+                        ("--top_k=-2", "--top_k must be an integer >= 0")):
+        proc = subprocess.run([sys.executable, "-m", "research.serving.cli",
+                               "--gguf=unused.gguf", "--prompt=hi", flag], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert bound in proc.stderr, proc.stderr[-2000:]

@@ -13,11 +13,11 @@ from research.model import init_params, make_model, tiny_config
 from research.kv.block_allocator import OutOfBlocksError
 from research.serving.api import QueueFullError, Request, RequestError, SamplingParams
 from research.serving.engine import ServingEngine, TextStream, prompt_lookup_draft
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.tasq import TaSQConfig, tasq
 from research.tasq import CQCodec, VQCodec
 from research.transforms import CalibrationData, calibrate_and_apply
-from research.serving.sampling import (SamplingConfig, filter_logits, filter_logits_per_row,
+from research.decode.sampling import (SamplingConfig, filter_logits, filter_logits_per_row,
                                        sample_per_row)
 
 

@@ -11,7 +11,7 @@ from research.model import init_params, make_model, tiny_config
 from research.model.precision import kv_cache_dtype
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine, serve_forward
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.tasq import int8_kv
 from research.transforms import calibrate_and_apply
 from tests.serving.test_engine import CharTokenizer

@@ -10,7 +10,7 @@ from research.model import init_params, make_model, tiny_config
 from research.model.llama import forward
 from research.serving.api import MAX_LOGPROBS, Request, RequestError, SamplingParams
 from research.serving.engine import ServingEngine
-from research.serving.sampling import process_logits
+from research.decode.sampling import process_logits
 from tests.serving.test_engine import CharTokenizer
 
 TOK = CharTokenizer()

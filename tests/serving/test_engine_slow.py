@@ -8,7 +8,7 @@ from research import data
 from research.model import init_params, make_model, tiny_config
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine
-from research.serving.generate import default_stop_tokens, generate
+from research.decode.generate import default_stop_tokens, generate
 from research.tasq import CQCodec, TaSQConfig, VQCodec, int8_kv, tasq
 from research.transforms import CalibrationData, calibrate_and_apply
 

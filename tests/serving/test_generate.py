@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from research.model import forward
-from research.serving.generate import generate, pad_prompts
-from research.serving.sampling import SamplingConfig, filter_logits, sample, token_probs
+from research.decode.generate import generate, pad_prompts
+from research.decode.sampling import SamplingConfig, filter_logits, sample, token_probs
 
 
 def _greedy_reference(model, prompt, n):
@@ -94,7 +94,7 @@ def test_bad_sampling_args(tiny):
 
 
 def test_real_model_answers(smollm2):
-    from research.serving.generate import generate_text
+    from research.decode.generate import generate_text
     model, tok = smollm2
     out = generate_text(model, tok, ["What is the capital of France?"], max_new_tokens=12)
     assert "Paris" in out[0]
@@ -141,7 +141,7 @@ def test_chunked_prefill_equals_one_shot_prefill():
     """Pieces of 16 tokens (rows ending in different pieces, one shorter than a piece):
     the same last-token logits and the same cache as one prefill of the whole prompts."""
     from research.model import init_params, make_model, tiny_config
-    from research.serving.generate import _prefill_checked, pad_prompts, prefill_in_chunks
+    from research.decode.generate import _prefill_checked, pad_prompts, prefill_in_chunks
     config = tiny_config(vocab_size=64, max_position=128, head_dim=16, n_heads=4,
                          n_kv_heads=2)
     model = make_model(config, init_params(config, jax.random.key(11)))
@@ -169,7 +169,7 @@ def test_chunked_prefill_skips_masked_key_blocks(codec):
     from research.kv.codec import FloatCodec
     from research.kv.quantized import Int8Codec
     from research.model import init_params, make_model, tiny_config
-    from research.serving import generate as G
+    from research.decode import generate as G
     config = tiny_config(vocab_size=64, max_position=256, head_dim=16, n_heads=4,
                          n_kv_heads=2)
     model = make_model(config, init_params(config, jax.random.key(3)))

@@ -36,8 +36,9 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="servax-hf-da
 lm_eval = pytest.importorskip("lm_eval")
 
 from research.model.llama import forward  # noqa: E402
-from research.serving.server import (EngineLoop, ServerConfig, ServerThread,  # noqa: E402
-                                     build_engine, create_app)
+from research.serving.engine_loop import EngineLoop  # noqa: E402
+from research.serving.server import ServerThread, build_engine, create_app  # noqa: E402
+from research.serving.state import ServerConfig  # noqa: E402
 from tests.serving.test_server_api import tiny_model  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

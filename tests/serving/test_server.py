@@ -15,9 +15,11 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from research.serving.generate import default_stop_tokens, generate  # noqa: E402
-from research.serving.server import (EngineLoop, ServerConfig, ServerThread,  # noqa: E402
-                                     build_engine, create_app, encode_chat)
+from research.decode.generate import default_stop_tokens, generate  # noqa: E402
+from research.serving.chat_template import encode_chat  # noqa: E402
+from research.serving.engine_loop import EngineLoop  # noqa: E402
+from research.serving.server import ServerThread, build_engine, create_app  # noqa: E402
+from research.serving.state import ServerConfig  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_LEN = 256

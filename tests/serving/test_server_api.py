@@ -20,8 +20,9 @@ openai = pytest.importorskip("openai")
 from research.model import init_params, make_model, tiny_config  # noqa: E402
 from research.model.llama import forward  # noqa: E402
 from research.serving import protocol as P  # noqa: E402
-from research.serving.server import (ServerConfig, ServerThread, create_app,  # noqa: E402
-                                     encode_chat)
+from research.serving.chat_template import encode_chat  # noqa: E402
+from research.serving.server import ServerThread, create_app  # noqa: E402
+from research.serving.state import ServerConfig  # noqa: E402
 from tests.serving.test_server import running_server  # noqa: E402
 
 MODEL = "tiny-random"
@@ -554,8 +555,8 @@ def _parse_in_process(state, path, body):
 
 @pytest.fixture(scope="module")
 def parse_state(smollm2):
-    from research.serving.generate import default_stop_tokens
-    from research.serving.routers import ServerState
+    from research.decode.generate import default_stop_tokens
+    from research.serving.state import ServerState
     _, tok = smollm2
     return ServerState(None, tok, ServerConfig(model_name=MODEL, max_context=MAX_LEN),
                        None, default_stop_tokens(tok), 0)

@@ -9,7 +9,7 @@ import pytest
 
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine, TextStream
-from research.serving.generate import default_stop_tokens, generate
+from research.decode.generate import default_stop_tokens, generate
 
 # 37-token chat prompts: generate() pads them like test_generate's France question
 QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?",

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from research.model import init_params, make_model, tiny_config
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.sharding import DEFAULT_RULES, make_mesh
 
 

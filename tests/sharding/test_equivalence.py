@@ -16,7 +16,7 @@ from research.kv.dense import DenseKVCache
 from research.kv.memory import kv_cache_bytes
 from research.kv.paged import PagedKVCache
 from research.model import init_params, make_model, tiny_config
-from research.serving.generate import decode_step, generate, prefill
+from research.decode.generate import decode_step, generate, prefill
 from research.sharding import make_mesh, per_device_bytes, shard_model
 from research.sharding.hlo import collectives, gathers_of
 from research.sharding.shapes import SMOLLM2_135M

@@ -13,7 +13,7 @@ from research.megaflux import ExpertParallelFFN
 from research.model import init_params, make_model, tiny_config
 from research.moe import TrainConfig
 from research.moe.training import init_train_params
-from research.serving.generate import decode_step, prefill
+from research.decode.generate import decode_step, prefill
 from research.sharding import make_mesh, override_rules, per_device_bytes, shard_model
 from research.tasq import VQCodec
 

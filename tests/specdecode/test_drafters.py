@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from research.model import MoEConfig, forward, init_params, make_model, tiny_config
-from research.serving.sampling import SamplingConfig
+from research.decode.sampling import SamplingConfig
 from research.specdecode import (DraftContext, early_exit, layer_subset_model, model_drafter,
                                  prompt_lookup, self_speculative)
 from research.specdecode.drafters import lookup_continuation, ngram_match

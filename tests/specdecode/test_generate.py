@@ -3,8 +3,8 @@ distribution (exact enumeration on a small-vocabulary model); batching, stops, b
 import jax
 import pytest
 
-from research.serving.generate import generate
-from research.serving.sampling import SamplingConfig
+from research.decode.generate import generate
+from research.decode.sampling import SamplingConfig
 from research.specdecode import (DraftLengthPolicy, early_exit, model_drafter, prompt_lookup,
                                  speculative_generate)
 from research.specdecode.distribution import chisquare_pvalue, exact_sequence_law

@@ -1,7 +1,7 @@
 """The real model: speculative greedy output == plain greedy output token for token."""
 import pytest
 
-from research.serving.generate import default_stop_tokens, generate
+from research.decode.generate import default_stop_tokens, generate
 from research.specdecode import DraftLengthPolicy, early_exit, prompt_lookup, speculative_generate
 
 TEXT = ("The cat sat on the warm windowsill every afternoon, watching the birds in the "

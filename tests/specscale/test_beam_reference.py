@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from research.model import forward
-from research.serving.generate import default_stop_tokens
+from research.decode.generate import default_stop_tokens
 from research.specscale import search as S
 from research.specscale.engine import PagedEngine
 from research.specscale.tasks import ArithmeticChains

@@ -1,7 +1,7 @@
 """SmolLM2 end to end on the paged engine (slow: real model, several compiles)."""
 import pytest
 
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.specscale import search as S
 from research.specscale.engine import PagedEngine
 from research.specscale.tasks import ArithmeticChains

@@ -6,7 +6,7 @@ import pytest
 
 from research.kv.block_allocator import OutOfBlocksError
 from research.model import forward
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.specscale.engine import PagedEngine, _draw_tokens, child_key
 
 

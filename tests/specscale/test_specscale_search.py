@@ -198,7 +198,7 @@ def test_specscale_serves_a_tasq_1bit_model_from_pages_of_codes(char_model, char
     """TaSQ's 1-bit codes live in the engine's pages (shared prefixes, COW forks): the
     search runs, greedy decoding equals the dense-layout TaSQ model, and a block costs
     the codes' bytes, not f32 K/V's."""
-    from research.serving.generate import generate
+    from research.decode.generate import generate
     from research.tasq import TaSQConfig, tasq
     from research.transforms import CalibrationData, calibrate_and_apply
     rng = np.random.default_rng(0)

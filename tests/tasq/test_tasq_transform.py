@@ -8,7 +8,7 @@ import pytest
 
 from research.eval.perplexity import perplexity
 from research.tasq.vq import VQCodec
-from research.serving.generate import generate
+from research.decode.generate import generate
 from research.model import forward, init_params, make_model, tiny_config
 from research.tasq import TaSQConfig, plain_vq, tasq
 from research.tasq.transform import apply_state

@@ -32,7 +32,7 @@ from experiments.patchkv.dev.sweep import SETTINGS, load_small, ridge_config
 from research.patchkv import (ProbeConfig, pad_rows, probe_context, query_forward,
                               reference_model, reply_prefix, retrieval_task, tile_states)
 from research.transforms import CalibrationData
-from research.serving.generate import default_stop_tokens
+from research.decode.generate import default_stop_tokens
 
 DEFAULT_COMPRESSIONS = ("snapkv@0.1,snapkv@0.25,streaming_llm@0.1,streaming_llm@0.25,"
                         "tasq-1bit")

@@ -1,28 +1,82 @@
-"""Next-token selection: greedy, or temperature / top-k / top-p sampling with explicit keys."""
+"""Next-token selection: greedy, or temperature / top-k / top-p sampling with explicit keys.
+
+The sampling settings' bounds live here, once (`check_sampling`): `SamplingConfig`, the
+serving engine's `SamplingParams` (research/serving/api.py), the server's pydantic models
+(research/serving/protocol.py) and the CLI all validate through it, so a setting one of
+them takes the others take too, and every refusal names the field.
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+MAX_TEMPERATURE = 100.0  # the library's bound (beyond it every row is all but uniform)
+OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI schema's bound, which the HTTP server keeps
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+
+
+class SamplingError(ValueError):
+    """A sampling setting out of its bounds: `field` names it, `bound` says what it must
+    be (e.g. "must be a number in [0, 100]"), `value` is what it was."""
+
+    def __init__(self, field: str, bound: str, value):
+        super().__init__(f"{field} {bound}, got {value!r}")
+        self.field, self.bound, self.value = field, bound, value
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def sampling_bound(field: str, value, *, vocab_size: int | None = None,
+                   max_temperature: float = MAX_TEMPERATURE) -> str | None:
+    """What `value` of sampling setting `field` must be, if it is not (else None):
+    temperature a number in [0, max_temperature] (0 = greedy); top_k an integer >= 0
+    (0 = off), at most `vocab_size` when given; top_p a number in (0, 1] (1 = off)."""
+    if field == "temperature":
+        if not (_real(value) and 0.0 <= value <= max_temperature):
+            return f"must be a number in [0, {max_temperature:g}]"
+    elif field == "top_k":
+        if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                and value >= 0):
+            return "must be an integer >= 0 (0 = off)"
+        if vocab_size is not None and value > vocab_size:
+            return f"must be at most the vocabulary size {vocab_size} (0 = off)"
+    elif field == "top_p":
+        if not (_real(value) and 0.0 < value <= 1.0):
+            return "must be a number in (0, 1]"
+    else:
+        raise ValueError(f"field must be one of {SAMPLING_FIELDS}, got {field!r}")
+    return None
+
+
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0, *, vocab_size: int | None = None,
+                   max_temperature: float = MAX_TEMPERATURE) -> None:
+    """The one validation of sampling settings: SamplingError naming the first setting
+    out of its bounds (`sampling_bound`)."""
+    for field, value in zip(SAMPLING_FIELDS, (temperature, top_k, top_p)):
+        bound = sampling_bound(field, value, vocab_size=vocab_size,
+                               max_temperature=max_temperature)
+        if bound is not None:
+            raise SamplingError(field, bound, value)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """temperature == 0 means greedy; top_k == 0 and top_p == 1 disable those filters."""
+    """temperature == 0 means greedy; top_k == 0 and top_p == 1 disable those filters
+    (bounds: `check_sampling`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def greedy(self) -> bool:

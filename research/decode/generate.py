@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.model.llama import Model, forward, forward_live
-from research.serving.sampling import SamplingConfig, sample
+from research.decode.sampling import SamplingConfig, sample
 
 PAD_BUCKET = 16  # prompt chunks are padded to a multiple of this, to bound recompiles
 PREFILL_CHUNK = 512  # `generate` prefills longer prompts in pieces of this many tokens

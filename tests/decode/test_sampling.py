@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from research.serving.sampling import filter_logits_per_row, sample_per_row
+from research.decode.sampling import filter_logits_per_row, sample_per_row
 
 
 def reference(logits, temperature, top_k, top_p, key_data):
