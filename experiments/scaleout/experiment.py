@@ -134,8 +134,7 @@ def _equivalence(config, model, tokenizer):
         elif name == "paged":
             variants[name] = paged_kv_cache(block_size=c.paged_block_size).apply(model, None)
         elif name == "tasq":
-            ids = tokenizer.encode(data.corpus_text("calibration"))
-            cal = CalibrationData.from_ids(ids, c.tasq_seq_len, c.tasq_n_seqs)
+            cal = CalibrationData.from_corpus(tokenizer, c.tasq_seq_len, c.tasq_n_seqs)
             cfg = TaSQConfig(bits=1, kmeans_iters=c.tasq_kmeans_iters, seed=config.seed)
             variants[name], _ = calibrate_and_apply(tasq(cfg), model, cal)
         else:
