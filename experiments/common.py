@@ -275,3 +275,17 @@ def tokenizer_only(gguf_path: str | None = None):
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     return read_tokenizer(gguf.GGUFReader(str(path)), path)
+
+
+# KV codec names that committed results' configs used before every experiment took the
+# registry's (research/serving/kv_codecs.py, issue 46); mapped explicitly so those
+# configs still run. New configs use the registry's names.
+LEGACY_KV_CODECS = {"float32": "f32", "bfloat16": "bf16",
+                    "tasq-1bit-post-rope": "tasq-1bit-post"}
+
+
+def kv_codec_name(name: str) -> str:
+    """The registry's name for a config's KV codec `name` (an old name mapped by
+    LEGACY_KV_CODECS); a ValueError naming the registered codecs if there is none."""
+    from research.serving import kv_codecs
+    return kv_codecs.get(LEGACY_KV_CODECS.get(name, name)).name

@@ -37,7 +37,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.seed = 0
     c.gguf_path = ""
     c.contexts = (4096, 8192)
-    c.codecs = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post-rope")
+    c.codecs = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post")
     c.batch = 4
     c.decode_steps = 16 if arg == "small" else 64
     c.block_size = 16

@@ -207,10 +207,9 @@ def run(config, out_dir) -> common.Report:
             rows.append(row)
             del engines
             release_compiled()
-    from research.model.precision import kv_cache_dtype
-    from research.transforms import calibrate_and_apply
+    from research.serving import kv_codecs
     profile = sampling_profile(model.config.vocab_size, max(config.batches), config.profile_reps)
-    profile += pool_size_profile(calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0],
+    profile += pool_size_profile(kv_codecs.codec_model(model, "bf16"),
                                  min(config.batches), config, config.profile_reps)
     for row in profile:
         print(row, flush=True)

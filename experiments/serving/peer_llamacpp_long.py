@@ -54,7 +54,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.context = 8192
     c.decode_steps = 16
     c.llamacpp_kv = ("f16", "q8_0", "q4_0")
-    c.servax_kv = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post-rope")
+    c.servax_kv = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post")
     # servax engine settings of the long-context benchmark (long_context.py)
     c.block_size = 16
     c.prefill_chunk = 512

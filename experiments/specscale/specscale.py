@@ -79,7 +79,9 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.no_sharing_n_blocks = 4096
     # SpecScale on the same pool holding each KV codec's records in pages: f32, bf16 and
     # TaSQ 1-bit codes (calibrated on the calibration split, never on the task problems)
-    c.kv_codecs = ("float32", "bfloat16", "tasq-1bit")
+    # (registry names, research/serving/kv_codecs.py; the committed runs say "float32",
+    # "bfloat16": still accepted, common.LEGACY_KV_CODECS)
+    c.kv_codecs = ("f32", "bf16", "tasq-1bit")
     c.tasq = ml_collections.ConfigDict(dict(seq_len=256, n_seqs=8, kmeans_iters=10,
                                             max_points=4096))
     return c

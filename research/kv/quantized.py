@@ -3,7 +3,8 @@
 `Int8Codec`: symmetric int8 per (token, KV head) with a float16 scale: 8.25 bits per
 channel at head_dim 64, a dense dequantise on read (the usual serving baseline), and its
 transform `int8_kv()`. The template of a new codec (docs/extending.md): a record spec,
-encode, decode, optionally a page reader, and one registration (research/serving/kv_codecs.py).
+encode, decode, optionally a page reader, and one row in the codec table
+(`BUILTIN` in research/serving/kv_codecs.py).
 
 Helpers: `pack_bits` / `unpack_bits` (sub-byte integers packed along the last axis, low
 bits first), `quantize_uniform` / `dequantize_uniform` (asymmetric min/max quantisation
