@@ -8,15 +8,11 @@ Expected:  held-out perplexity about 20-25 (f32) with bf16 within ~1% of it; KV 
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.baseline.experiment"
-    c.run_name = f"baseline_{arg}"
-    c.seed = 0
-    c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
+    c = common.new_config(arg, "experiments.baseline.experiment")
     c.text_path = ""  # empty: the test half of the held-out prose (research/data.py)
     c.text_split = "test"
     # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text,

@@ -23,15 +23,12 @@ Expected:  (small, measured) MegaFlux gamma 1.005-1.008 on the synthetic sweep a
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
     small = arg == "small"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.megaflux.experiment"
-    c.run_name = f"megaflux_{arg}"
-    c.seed = 0
+    c = common.new_config(arg, "experiments.megaflux.experiment", gguf_path=None)
     c.host_devices = 8
     c.matmul_precision = "highest"
     c.train = ml_collections.ConfigDict(dict(

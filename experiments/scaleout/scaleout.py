@@ -27,15 +27,13 @@ Expected:  max |sharded - single| logits ~1e-4 of logits ~40 (f32 summation orde
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "throughput", "full"):
-        raise ValueError(f"config arg must be 'small', 'throughput' or 'full', got {arg!r}")
     small = arg != "full"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.scaleout.experiment"
-    c.run_name = f"scaleout_{arg}"
-    c.seed = 0
+    c = common.new_config(arg, "experiments.scaleout.experiment",
+                          args=("small", "throughput", "full"), gguf_path=None)
     c.host_devices = 8
     c.parts = {"small": ("equivalence", "moe", "roofline"), "throughput": ("throughput",),
                "full": ("equivalence", "moe", "throughput", "roofline")}[arg]

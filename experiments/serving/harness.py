@@ -24,15 +24,12 @@ weights (W8A8); its generation row decodes with W4A16.
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.harness_experiment"
-    c.run_name = f"serving_harness_{arg}"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.harness_experiment",
+                          run_name=f"serving_harness_{arg}")
     c.variants = ("f32", "bf16", "int8", "tasq-1bit", "dynacore")
     c.tasks = ("servax_mc", "servax_ppl", "servax_gen", "servax_corpus_ppl")
     c.max_len = 512

@@ -22,15 +22,12 @@ Nothing here is tuned on an evaluation split: random token prompts, greedy decod
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.overhead_experiment"
-    c.run_name = f"serving_overhead_{arg}"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.overhead_experiment",
+                          run_name=f"serving_overhead_{arg}")
     c.codecs = ("f32", "bf16", "tasq-1bit")
     c.batches = (8, 32)
     c.prompt_tokens = 128

@@ -42,13 +42,8 @@ def defaults(config) -> dict:
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg != "small":
-        raise ValueError(f"config arg must be 'small', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.peer_llamacpp_long"
-    c.run_name = "serving_peer_llamacpp_long"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.peer_llamacpp_long", args=("small",),
+                          run_name="serving_peer_llamacpp_long")
     c.peer_python = "/work/peer-venv/bin/python"
     c.threads = os.cpu_count() or 1
     c.context = 8192

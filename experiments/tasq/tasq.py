@@ -16,22 +16,18 @@ Expected:  one table over held-out text with every codec and the TaSQ ablation: 
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full", "dev"):
-        raise ValueError(f"config arg must be 'small', 'full' or 'dev', got {arg!r}")
     small = arg != "full"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.tasq.experiment"
-    c.run_name = f"tasq_{arg}"
+    c = common.new_config(arg, "experiments.tasq.experiment", args=("small", "full", "dev"))
     # dev: post- vs pre-RoPE keys on the dev half of the held-out text (the default key
     # space is the winner); small / full: every codec on the test half, scored once
     c.split = "dev" if arg == "dev" else "test"
     # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text,
     # research/data.py; test runs only)
     c.test_text = "pydoc"
-    c.seed = 0
-    c.gguf_path = ""
     c.calibration = ml_collections.ConfigDict(dict(
         seq_len=256, n_seqs=16 if small else 128))
     c.tasq = ml_collections.ConfigDict(dict(
