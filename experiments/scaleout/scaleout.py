@@ -5,7 +5,8 @@ Commands:  python -m experiments.run --config=experiments/scaleout/scaleout.py:s
            flock /work/bench.lock python -m experiments.run \
                --config=experiments/scaleout/scaleout.py:throughput
 Hardware:  CPU, 8 simulated devices (XLA host platform) that share this machine's 2 cores.
-           small = parts (1), (2), (4): no timing, ~15-25 min on a shared, loaded machine
+           small = parts (1), (2), (4): no timing, 1,670 s on a shared, loaded machine
+           (results/scaleout_small/, at 40bfc7c)
            (30-layer SmolLM2 compiles for every mesh); throughput = part (3) alone, the
            timed part (run it holding the machine's bench lock); full = all four with
            more decode steps and timing rounds.

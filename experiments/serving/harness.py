@@ -1,7 +1,8 @@
 r"""lm-evaluation-harness scores servax's techniques through the server.
 
 Command:   python -m experiments.run --config=experiments/serving/harness.py:small
-Hardware:  CPU (2 cores): small ~15-25 minutes (five served variants).
+Hardware:  CPU (2 cores): small 1,306 s (five served variants; results/serving_harness_small/,
+           at 448e273).
 What:      SmolLM2-135M-Instruct served by `research.serving.server` (real uvicorn on
            127.0.0.1, the continuous-batching engine) with each KV codec (f32, bf16, int8,
            TaSQ 1-bit) and with DynaCore's weight schemes (W8A8 prefill | W4A16 GPTQ

@@ -2,8 +2,8 @@ r"""Speculative decoding on SmolLM2-135M-Instruct: acceptance, tokens/forward, w
 
 Command:   python -m experiments.run --config=experiments/specdecode/specdecode.py:small
 Hardware:  small = CPU, every test prompt of prompts.py (3 repetitive, 3 free-form), 64
-           tokens, 5 rounds: about 15 minutes on 2 idle cores (2-3x that when the cores are
-           shared); full = the same prompts, 256 tokens, 7 rounds, a batched run (CPU ~1 h);
+           tokens, 5 rounds: 2,050 s on 2 shared cores (results/specdecode_small/, at
+           2058637; the fresh-prompt rerun 827 s, results/specdecode_small_fresh/); full = the same prompts, 256 tokens, 7 rounds, a batched run (CPU ~1 h);
            dev = the policy grid on the dev prompts (the policy is chosen there).
 Expected:  greedy output identical to plain greedy decoding for every prompt and drafter;
            the sampled joint law of the first tokens matches the exact target law

@@ -1,8 +1,9 @@
 r"""TaSQ vs the 1-bit (and 2/8-bit) KV-cache alternatives on SmolLM2-135M-Instruct.
 
 Command:   python -m experiments.run --config=experiments/tasq/tasq.py:small
-Hardware:  small = CPU, ~15 minutes on 2 idle cores (4k calibration tokens, 8 perplexity
-           windows of 256); full = CPU/GPU, ~1.5 hours (32k calibration tokens, 64 windows).
+Hardware:  small = CPU, 1,148 s on 2 cores (results/tasq_small/, at 45a14e7; 4k calibration
+           tokens, 8 perplexity windows of 256); dev 3,212 s (results/tasq_dev/); full =
+           CPU/GPU, 32k calibration tokens, 64 windows (no committed run: no time measured).
 Expected:  one table over held-out text with every codec and the TaSQ ablation: bits per
            channel from the real cache arrays (1.0 for TaSQ), max batch at a fixed budget
            vs bf16 (~16x at 1 bit), perplexity and attention-output error; 1-bit codecs
