@@ -275,3 +275,39 @@ def tokenizer_only(gguf_path: str | None = None):
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     return read_tokenizer(gguf.GGUFReader(str(path)), path)
+
+
+# KV codec names that committed results' configs used before every experiment took the
+# registry's (research/serving/kv_codecs.py, issue 46); mapped explicitly so those
+# configs still run. New configs use the registry's names.
+LEGACY_KV_CODECS = {"float32": "f32", "bfloat16": "bf16",
+                    "tasq-1bit-post-rope": "tasq-1bit-post"}
+
+
+def kv_codec_name(name: str) -> str:
+    """The registry's name for a config's KV codec `name` (an old name mapped by
+    LEGACY_KV_CODECS); a ValueError naming the registered codecs if there is none."""
+    from research.serving import kv_codecs
+    return kv_codecs.get(LEGACY_KV_CODECS.get(name, name)).name
+
+
+def new_config(arg: str, experiment: str, *, args: Sequence[str] = ("small", "full"),
+               run_name: str | None = None, seed: int = 0, gguf_path: str | None = ""):
+    """The preamble of every config's `get_config(arg)`: a ValueError unless `arg` is one
+    of `args`, then a ConfigDict with `experiment` (the module whose `run(config, out_dir)`
+    runs it), `run_name` (default `<technique>_<arg>`, the technique being `experiment`'s
+    package), `seed` and `gguf_path` ("": the embedded SmolLM2-135M-Instruct; None: no
+    such key, for runs without the model)."""
+    import ml_collections
+    if arg not in args:
+        quoted = [repr(a) for a in args]
+        expected = quoted[0] if len(quoted) == 1 else (
+            ", ".join(quoted[:-1]) + (" or " if len(quoted) > 1 else "") + quoted[-1])
+        raise ValueError(f"config arg must be {expected}, got {arg!r}")
+    c = ml_collections.ConfigDict()
+    c.experiment = experiment
+    c.run_name = run_name or f"{experiment.split('.')[1]}_{arg}"
+    c.seed = seed
+    if gguf_path is not None:
+        c.gguf_path = gguf_path  # "": the embedded SmolLM2-135M-Instruct
+    return c

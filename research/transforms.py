@@ -68,6 +68,14 @@ class CalibrationData(NamedTuple):
         return cls(jnp.asarray(tokens), jnp.full((n_seqs,), seq_len, jnp.int32))
 
     @classmethod
+    def from_corpus(cls, tokenizer, seq_len: int, n_seqs: int) -> "CalibrationData":
+        """`from_ids` over the calibration split of the embedded corpus (research/data.py:
+        text no experiment scores), tokenized by `tokenizer`: every calibrated transform's
+        default data."""
+        from research import data  # a leaf module: no import circle
+        return cls.from_ids(tokenizer.encode(data.corpus_text("calibration")), seq_len, n_seqs)
+
+    @classmethod
     def from_context(cls, context: Sequence[int]) -> "CalibrationData":
         """One context (1-D token ids) as the data of a per-context transform."""
         ids = np.asarray(context, np.int32)

@@ -83,12 +83,18 @@ def _setup_cell(source: Path) -> str:
 
 
 def test_every_notebook_starts_with_the_same_setup():
-    """The Colab setup cell is the quickstart's in every notebook (megaflux appends its
-    simulated-device flags to it)."""
-    setup = _setup_cell(ROOT / "notebooks" / "src" / "quickstart.py")
-    assert "pip_install" in setup
-    assert all(_setup_cell(s).startswith(setup) for s in SOURCES), (
-        [s.name for s in SOURCES if not _setup_cell(s).startswith(setup)])
+    """The Colab setup cell is make_notebooks.SETUP, inserted by the generator after each
+    source's title (no source repeats it), and it lints clean."""
+    make = _make_notebooks()
+    assert "pip_install" in make.SETUP
+    assert all(_setup_cell(s) == make.SETUP.rstrip("\n") for s in SOURCES), (
+        [s.name for s in SOURCES if _setup_cell(s) != make.SETUP.rstrip("\n")])
+    assert not any("def pip_install" in s.read_text() for s in SOURCES)
+    api = pytest.importorskip("pyflakes.api")
+    reporter = pytest.importorskip("pyflakes.reporter")
+    out = io.StringIO()
+    api.check(make.SETUP, "make_notebooks.SETUP", reporter.Reporter(out, out))
+    assert not out.getvalue(), out.getvalue()
 
 
 def test_setup_cell_runs_in_a_jupyter_without_google():

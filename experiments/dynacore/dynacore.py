@@ -21,20 +21,16 @@ Expected:  dev choice (in-run, on dev windows only): SmoothQuant 0.5 for W8A8, f
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
     small = arg == "small"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.dynacore.experiment"
-    c.run_name = f"dynacore_{arg}"
-    c.seed = 0
+    c = common.new_config(arg, "experiments.dynacore.experiment")
     # sections computed by this run; the others are loaded from the section_*.json an
     # earlier run saved in the same out dir (listed in results.json with their git state),
     # so the timed sections can run under the bench lock apart from the quality section
     c.sections = "quality,hlo,speed,handoff"
-    c.gguf_path = ""
     # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text,
     # research/data.py; the test windows only, dev stays pydoc)
     c.test_text = "pydoc"

@@ -153,8 +153,7 @@ def quality(model, tok, config):
     q = config.quality
     dev = quality_windows(tok, config, "dev")  # disjoint halves (docs/protocol.md)
     test = quality_windows(tok, config, "test")
-    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), q.window,
-                                   q.cal_seqs)
+    cal = CalibrationData.from_corpus(tok, q.window, q.cal_seqs)
     models = Models(model, cal)
     w8, w4, dev_rows = choose_on_dev(models, dev, q)
     settings = {F32: F32, "bf16": "bf16"}
@@ -337,8 +336,7 @@ def measured_handoff(model, tok, config):
     from research.tasq import TaSQConfig, tasq
     d = config.disagg
     ids = tok.encode(data.corpus_text("dev"))  # a timing of the handoff: dev text
-    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 256,
-                                   d.tasq_seqs)
+    cal = CalibrationData.from_corpus(tok, 256, d.tasq_seqs)
     tcfg = TaSQConfig(bits=1, kmeans_iters=d.tasq_iters, max_points=4096, seed=config.seed)
     tmodel, tstate = calibrate_and_apply(tasq(tcfg), model, cal)
     rows = []

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.core.timing import time_interleaved
-from research import data
 from research.dynacore import QuantConfig, quantize, w8a8, w8a16
 from research.model import load
 from research.decode.generate import decode_loop, decode_step, prefill
@@ -88,8 +87,7 @@ def main():
     a = ap.parse_args()
     w8, w4 = QuantConfig(**json.loads(a.w8)), QuantConfig(**json.loads(a.w4))
     model, tok = load(a.gguf or None)
-    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 128,
-                                   a.cal_seqs)
+    cal = CalibrationData.from_corpus(tok, 128, a.cal_seqs)
     models = variants(model, w8, w4, cal)
     rng = np.random.default_rng(0)
     result = {"xla_flags": __import__("os").environ.get("XLA_FLAGS", ""), "prefill": {},

@@ -197,8 +197,7 @@ def calibrate_quantizers(model, tok, config) -> dict[str, Transform]:
     out = {}
     for bits in config.quantizers:
         c = config.tasq
-        cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")),
-                                       c.seq_len, c.n_seqs)
+        cal = CalibrationData.from_corpus(tok, c.seq_len, c.n_seqs)
         t = tasq(TaSQConfig(bits=bits, kmeans_iters=c.kmeans_iters,
                             max_points=c.max_points, seed=config.seed))
         out[f"tasq-{bits}bit"] = frozen(t, t.calibrate(model, cal))

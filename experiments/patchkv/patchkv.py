@@ -22,16 +22,12 @@ Expected:  the claims table: PatchKV closes >= 50% of the continuation-perplexit
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
     small = arg == "small"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.patchkv.experiment"
-    c.run_name = f"patchkv_{arg}"
-    c.seed = 0
-    c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
+    c = common.new_config(arg, "experiments.patchkv.experiment")
     # Evaluation text: empty = the held-out prose of pydoc_data.topics; else a UTF-8 file
     # (its tokens are split the same way). The probes' text rows always come from the
     # pydoc calibration split.

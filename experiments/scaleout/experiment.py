@@ -16,11 +16,11 @@ from research.core.timing import time_interleaved
 from research.kv.paged import paged_kv_cache
 from research.model import load
 from research.decode.generate import decode_step, prefill
+from research.serving import kv_codecs
 from research.sharding import (LLAMA31_8B, SLICES, SMOLLM2_135M, collective_summary,
                                gathers_of, make_mesh, modeled_decode_step, modeled_layouts,
                                override_rules, per_device_bytes, shard_model)
-from research.tasq import TaSQConfig, tasq
-from research.transforms import CalibrationData, calibrate_and_apply
+from research.transforms import CalibrationData
 
 # dev/test protocol declarations (experiments/protocol.py): nothing is tuned here; the
 # equivalence checks compare a sharded run with one device on the same prompts
@@ -134,10 +134,10 @@ def _equivalence(config, model, tokenizer):
         elif name == "paged":
             variants[name] = paged_kv_cache(block_size=c.paged_block_size).apply(model, None)
         elif name == "tasq":
-            ids = tokenizer.encode(data.corpus_text("calibration"))
-            cal = CalibrationData.from_ids(ids, c.tasq_seq_len, c.tasq_n_seqs)
-            cfg = TaSQConfig(bits=1, kmeans_iters=c.tasq_kmeans_iters, seed=config.seed)
-            variants[name], _ = calibrate_and_apply(tasq(cfg), model, cal)
+            cal = CalibrationData.from_corpus(tokenizer, c.tasq_seq_len, c.tasq_n_seqs)
+            variants[name] = kv_codecs.codec_model(  # the registry's TaSQ 1-bit codes
+                model, "tasq-1bit", calibration=cal, seed=config.seed,
+                options=dict(kmeans_iters=c.tasq_kmeans_iters))
         else:
             raise ValueError(f"unknown cache {name!r}")
     rows = []

@@ -1,7 +1,8 @@
 r"""lm-evaluation-harness scores servax's techniques through the server.
 
 Command:   python -m experiments.run --config=experiments/serving/harness.py:small
-Hardware:  CPU (2 cores): small ~15-25 minutes (five served variants).
+Hardware:  CPU (2 cores): small 1,306 s (five served variants; results/serving_harness_small/,
+           at 448e273).
 What:      SmolLM2-135M-Instruct served by `research.serving.server` (real uvicorn on
            127.0.0.1, the continuous-batching engine) with each KV codec (f32, bf16, int8,
            TaSQ 1-bit) and with DynaCore's weight schemes (W8A8 prefill | W4A16 GPTQ
@@ -24,15 +25,12 @@ weights (W8A8); its generation row decodes with W4A16.
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.harness_experiment"
-    c.run_name = f"serving_harness_{arg}"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.harness_experiment",
+                          run_name=f"serving_harness_{arg}")
     c.variants = ("f32", "bf16", "int8", "tasq-1bit", "dynacore")
     c.tasks = ("servax_mc", "servax_ppl", "servax_gen", "servax_corpus_ppl")
     c.max_len = 512

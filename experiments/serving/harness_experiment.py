@@ -79,8 +79,7 @@ def served_model(model, tok, variant: str, config):
                               calibration_seqs=config.calibration_seqs)
     from research.dynacore import dynacore, w4a16, w8a8
     from research.transforms import CalibrationData, calibrate_and_apply
-    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 256,
-                                   config.calibration_seqs)
+    cal = CalibrationData.from_corpus(tok, 256, config.calibration_seqs)
     dc = dynacore(prefill=w8a8(smooth=0.5),
                   decode=w4a16(64, zero_point="float", method="gptq"))
     return calibrate_and_apply(dc, model, cal)[0]

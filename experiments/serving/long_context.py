@@ -27,17 +27,14 @@ which no technique is evaluated on; the quality windows are test text, scored on
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.long_context_experiment"
-    c.run_name = f"serving_long_context_{arg}"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.long_context_experiment",
+                          run_name=f"serving_long_context_{arg}")
     c.contexts = (4096, 8192)
-    c.codecs = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post-rope")
+    c.codecs = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post")
     c.batch = 4
     c.decode_steps = 16 if arg == "small" else 64
     c.block_size = 16

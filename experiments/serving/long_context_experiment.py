@@ -53,17 +53,13 @@ def test_items(config) -> list:
 
 
 def served_model(model, tok, codec: str, config):
-    """`model` with the KV codec `codec` (the server's names, plus TaSQ post-RoPE)."""
-    from research.serving.server import kv_codec_model
-    if codec != "tasq-1bit-post-rope":
-        return kv_codec_model(model, tok, codec, seed=config.seed,
-                              calibration_seqs=config.calibration_seqs)
-    from research.tasq import TaSQConfig, tasq
-    from research.transforms import CalibrationData, calibrate_and_apply
-    ids = tok.encode(data.corpus_text("calibration"))
-    cal = CalibrationData.from_ids(ids, 256, config.calibration_seqs)
-    cfg = TaSQConfig(bits=1, seed=config.seed, key_space="post_rope")
-    return calibrate_and_apply(tasq(cfg), model, cal)[0]
+    """`model` with the registered KV codec `codec` (research/serving/kv_codecs.py, the
+    server's names; the committed runs' "tasq-1bit-post-rope" is tasq-1bit-post:
+    common.LEGACY_KV_CODECS), calibrated ones on config.calibration_seqs x 256 tokens of
+    the calibration split."""
+    from research.serving import kv_codecs
+    return kv_codecs.served_model(model, tok, common.kv_codec_name(codec), seed=config.seed,
+                                  calibration_seqs=config.calibration_seqs)
 
 
 def block_bytes(served, block_size: int) -> int:
@@ -120,10 +116,9 @@ def decode_speed(served, tok, prompt, rows: int, steps: int, config) -> dict:
 def prefill_memory(model, batch: int, context: int, chunk: int) -> dict:
     """Bytes XLA plans (arguments + temporaries) for one generate prefill of
     batch x context tokens in one piece and in `chunk`-token pieces (bf16 cache)."""
-    from research.model.precision import kv_cache_dtype
     from research.decode import generate as G
-    from research.transforms import calibrate_and_apply
-    m = calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0]
+    from research.serving import kv_codecs
+    m = kv_codecs.codec_model(model, "bf16")
     states = jax.eval_shape(lambda: m.init_cache(batch, context + 16))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
 

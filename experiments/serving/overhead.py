@@ -2,7 +2,8 @@ r"""Engine overhead: the serving engine's decode speed against the model's own
 (`generate.decode_loop`), with the step-time breakdown.
 
 Command:   python -m experiments.run --config=experiments/serving/overhead.py:small
-Hardware:  CPU (2 cores): small ~35 minutes (compiles included; the committed run says).
+Hardware:  CPU (2 cores): small 4,477 s (compiles included; results/serving_overhead_small/,
+           at 724f914, on a slower AMD EPYC).
 What:      per KV codec (f32, bf16, TaSQ 1-bit pages) and batch (8, 32): B prompts of
            `prompt_tokens` random ids, `new_tokens` greedy tokens each, in one process.
            Both sides are warmed first: one untimed batch each (its excess over a warm
@@ -22,15 +23,12 @@ Nothing here is tuned on an evaluation split: random token prompts, greedy decod
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.overhead_experiment"
-    c.run_name = f"serving_overhead_{arg}"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.overhead_experiment",
+                          run_name=f"serving_overhead_{arg}")
     c.codecs = ("f32", "bf16", "tasq-1bit")
     c.batches = (8, 32)
     c.prompt_tokens = 128

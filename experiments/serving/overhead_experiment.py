@@ -174,7 +174,7 @@ def pool_size_profile(served, batch: int, config, reps: int) -> list[dict]:
         rows.append({"what": f"decode forward, batch {batch}, {pool.n_blocks} blocks "
                              f"({pool.n_blocks * pool.block_bytes / 2**20:.0f} MiB of pages)",
                      "ms": _median_ms(step, reps)})
-        del pool
+        pool = step = None  # frees this pool's pages before the next, larger one
     return rows
 
 
@@ -207,10 +207,9 @@ def run(config, out_dir) -> common.Report:
             rows.append(row)
             del engines
             release_compiled()
-    from research.model.precision import kv_cache_dtype
-    from research.transforms import calibrate_and_apply
+    from research.serving import kv_codecs
     profile = sampling_profile(model.config.vocab_size, max(config.batches), config.profile_reps)
-    profile += pool_size_profile(calibrate_and_apply(kv_cache_dtype("bfloat16"), model, None)[0],
+    profile += pool_size_profile(kv_codecs.codec_model(model, "bf16"),
                                  min(config.batches), config, config.profile_reps)
     for row in profile:
         print(row, flush=True)

@@ -59,14 +59,10 @@ COLUMNS = ["server", "rate", "ok", "mean_out_tokens", "out_tok_s", "req_s", "goo
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     """small / full: a rate sweep; saturation: offered loads far above either server's
     capacity (4 to 16 req/s), 32 requests each, so output tok/s is each server's ceiling."""
-    if arg not in ("small", "full", "saturation"):
-        raise ValueError(f"config arg must be 'small', 'full' or 'saturation', got {arg!r}")
     small = arg == "small"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.peer_llamacpp"
-    c.run_name = f"serving_peer_llamacpp_{arg}"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.peer_llamacpp",
+                          args=("small", "full", "saturation"),
+                          run_name=f"serving_peer_llamacpp_{arg}")
     c.peer_python = "/work/peer-venv/bin/python"
     c.peer_lib_path = ""  # LLAMA_CPP_LIB_PATH for peer_python's llama_cpp ("": its own)
     c.llama_server = ("/work/peer/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/"

@@ -42,19 +42,14 @@ def defaults(config) -> dict:
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg != "small":
-        raise ValueError(f"config arg must be 'small', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.peer_llamacpp_long"
-    c.run_name = "serving_peer_llamacpp_long"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.peer_llamacpp_long", args=("small",),
+                          run_name="serving_peer_llamacpp_long")
     c.peer_python = "/work/peer-venv/bin/python"
     c.threads = os.cpu_count() or 1
     c.context = 8192
     c.decode_steps = 16
     c.llamacpp_kv = ("f16", "q8_0", "q4_0")
-    c.servax_kv = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post-rope")
+    c.servax_kv = ("bf16", "int8", "tasq-1bit", "tasq-1bit-post")
     # servax engine settings of the long-context benchmark (long_context.py)
     c.block_size = 16
     c.prefill_chunk = 512

@@ -39,12 +39,8 @@ def defaults(config) -> dict:
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg != "small":
-        raise ValueError(f"config arg must be 'small', got {arg!r}")
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.read_profile"
-    c.run_name = "serving_read_profile"
-    c.seed = 0
+    c = common.new_config(arg, "experiments.serving.read_profile", args=("small",),
+                          run_name="serving_read_profile", gguf_path=None)
     c.batch, c.context = 4, 8192
     c.n_heads, c.n_kv_heads, c.head_dim = 9, 3, 64
     c.group, c.centroids = 8, 256  # TaSQ 1-bit: 8 channels per code, 2^8 centroids

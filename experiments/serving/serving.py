@@ -23,16 +23,12 @@ Expected:  continuous > static throughput with a much lower p99 TTFT; TaSQ holds
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full"):
-        raise ValueError(f"config arg must be 'small' or 'full', got {arg!r}")
     small = arg == "small"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.serving.experiment"
-    c.run_name = f"serving_{arg}"
-    c.seed = 0
-    c.gguf_path = ""
+    c = common.new_config(arg, "experiments.serving.experiment")
     c.sections = ("sweep", "batching", "tasq", "prefix", "spec")
     c.engine = ml_collections.ConfigDict(dict(
         kv_codec="bf16", n_blocks=128, block_size=16, max_batch=8, max_len=384,

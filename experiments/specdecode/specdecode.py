@@ -2,8 +2,8 @@ r"""Speculative decoding on SmolLM2-135M-Instruct: acceptance, tokens/forward, w
 
 Command:   python -m experiments.run --config=experiments/specdecode/specdecode.py:small
 Hardware:  small = CPU, every test prompt of prompts.py (3 repetitive, 3 free-form), 64
-           tokens, 5 rounds: about 15 minutes on 2 idle cores (2-3x that when the cores are
-           shared); full = the same prompts, 256 tokens, 7 rounds, a batched run (CPU ~1 h);
+           tokens, 5 rounds: 2,050 s on 2 shared cores (results/specdecode_small/, at
+           2058637; the fresh-prompt rerun 827 s, results/specdecode_small_fresh/); full = the same prompts, 256 tokens, 7 rounds, a batched run (CPU ~1 h);
            dev = the policy grid on the dev prompts (the policy is chosen there).
 Expected:  greedy output identical to plain greedy decoding for every prompt and drafter;
            the sampled joint law of the first tokens matches the exact target law
@@ -14,6 +14,8 @@ Expected:  greedy output identical to plain greedy decoding for every prompt and
            pay for itself, and the adaptive policy falls back to plain decoding.
 """
 import ml_collections
+
+from experiments import common
 
 
 # The adaptive draft-length policy's settings (research/specdecode/policy.py), chosen on
@@ -29,20 +31,15 @@ POLICY_GRID = (  # the dev candidates
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full", "dev"):
-        raise ValueError(f"config arg must be 'small', 'full' or 'dev', got {arg!r}")
     small = arg != "full"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.specdecode.experiment"
-    c.run_name = f"specdecode_{arg}"
+    c = common.new_config(arg, "experiments.specdecode.experiment",
+                          args=("small", "full", "dev"))
     # dev: the policy grid on the dev prompts; small / full: every test prompt of
     # prompts.py with the chosen policy
     c.split = "dev" if arg == "dev" else "test"
     # test runs: "original" (prompts.REPETITIVE / FREE_FORM) or "fresh" (the prompts of
     # issue 36's rerun, new to the project: `--config.test_prompts=fresh`)
     c.test_prompts = "original"
-    c.seed = 0
-    c.gguf_path = ""  # empty: the embedded SmolLM2-135M-Instruct
     c.max_new_tokens = 64 if small else 256
     c.repeats = 3 if arg == "dev" else (5 if small else 7)  # timed rounds, interleaved
     c.draft_lengths = (0, 1, 2, 4, 8)

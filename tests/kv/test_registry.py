@@ -1,6 +1,17 @@
 """The KV codec registry (research/serving/kv_codecs.py): lookups and errors, calibrated codecs,
-and a new codec added the documented way (one KVCodec + one registration) running in
-every layout and served by the engine with generate's tokens."""
+a new codec running in every layout and served by the engine with generate's tokens, the
+README's codec list, and docs/extending.md's codec recipe walked end to end (a KVCodec file,
+a row in the table, the CLI and the real server on 127.0.0.1)."""
+import inspect
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,6 +27,8 @@ from research.decode.generate import generate
 from research.transforms import calibrate_and_apply, stateless
 from tests.serving.test_engine import CharTokenizer
 from tests.serving.test_engine_reads import base  # noqa: F401 - the fixture: a tiny model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @struct.dataclass
@@ -117,3 +130,151 @@ def test_the_server_serves_exactly_the_registered_paging_codecs(toy, base):
     assert all(c.codec.describe() == "int4-toy" for c in served.caches)
     with pytest.raises(ValueError, match="kv_codec must be one of .*got 'kivi-2bit'"):
         server.kv_codec_model(base, CharTokenizer(), "kivi-2bit")
+
+
+def test_the_readme_lists_exactly_the_servable_codecs():
+    """README's `--kv_codec=a|b|...` is the registry's servable codecs, in its order."""
+    listed = re.findall(r"`--kv_codec=([\w.|-]+)`", (ROOT / "README.md").read_text())
+    assert listed, "README.md lists no `--kv_codec=...|...` choices"
+    assert [tuple(x.split("|")) for x in listed] == [registry.names(pages=True)] * len(listed)
+
+
+# -- docs/extending.md's recipe, end to end ---------------------------------------------------
+# Steps 1 and 2: the codec and its transform, in a module of their own (written to a temporary
+# package, as a new research/kv/int4_token.py would be).
+TOY_MODULE = """\
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from research.kv.codec import KVCodec
+from research.kv.layouts import replace_codecs
+from research.transforms import Transform, stateless
+
+
+{codec}
+
+def int4_kv() -> Transform:
+    return stateless(lambda model, state: replace_codecs(model, lambda i: Int4Codec(),
+                                                         "int4_kv", "int4-toy"), "int4")
+"""
+# Step 3: the factory and the row, added to the registry's table (BUILTIN) of a copy of
+# kv_codecs.py (the recipe edits the file itself).
+FACTORY = """\
+def _int4_token(seed):
+    from toy_int4 import int4_kv
+    return int4_kv()
+
+
+"""
+ROW = """\
+    CodecSpec("int4-token", _int4_token, calibrated=False, pages=True,
+              summary="int4 per (token, KV head), float16 scale"),
+"""
+# runs research.serving's server or CLI with the copied registry in place of the real one
+RUN_PATCHED = """\
+import importlib.util, sys
+which, patched = sys.argv[1], sys.argv[2]
+spec = importlib.util.spec_from_file_location("research.serving.kv_codecs", patched)
+kv_codecs = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = kv_codecs
+spec.loader.exec_module(kv_codecs)
+import research.serving
+research.serving.kv_codecs = kv_codecs
+sys.argv = [which] + sys.argv[3:]
+if which == "server":
+    from research.serving import server
+    server.run()
+else:
+    from absl import flags
+    from research.serving import cli  # noqa: F401 - defines the CLI's flags
+    flags.FLAGS(sys.argv)
+    print("CLI kv_codec:", flags.FLAGS.kv_codec, flush=True)
+"""
+
+
+def _recipe_package(tmp_path: Path) -> Path:
+    """tmp_path/toy_int4 (steps 1-2) and tmp_path/kv_codecs.py: the registry with the row."""
+    (tmp_path / "toy_int4").mkdir()
+    codec = "@struct.dataclass\n" + inspect.getsource(Int4Codec).split("\n", 1)[1]
+    (tmp_path / "toy_int4" / "__init__.py").write_text(TOY_MODULE.format(codec=codec))
+    source = (ROOT / "research" / "serving" / "kv_codecs.py").read_text()
+    assert source.count("\nBUILTIN = (\n") == 1 and source.count("\n)\nfor _spec in BUILTIN:") == 1
+    source = source.replace("\nBUILTIN = (\n", "\n" + FACTORY + "BUILTIN = (\n")
+    source = source.replace("\n)\nfor _spec in BUILTIN:", "\n" + ROW + ")\nfor _spec in BUILTIN:")
+    (tmp_path / "kv_codecs.py").write_text(source)
+    (tmp_path / "run_patched.py").write_text(RUN_PATCHED)
+    return tmp_path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_codec_recipe_end_to_end(tmp_path, base):
+    pkg = _recipe_package(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(pkg)])}
+
+    def run_patched(which, *args, **kw):
+        return subprocess.Popen([sys.executable, str(pkg / "run_patched.py"), which,
+                                 str(pkg / "kv_codecs.py"), *args], cwd=ROOT, env=env,
+                                text=True, **kw)
+
+    # the row in the table: a registered, servable codec that installs in the model
+    sys.path.insert(0, str(pkg))
+    try:
+        namespace = {}
+        exec(FACTORY, namespace)  # the row, as the table holds it
+        row = eval(ROW.strip().rstrip(","), {"CodecSpec": registry.CodecSpec, **namespace})
+        registry.register(row)
+        try:
+            assert "int4-token" in registry.names(pages=True)
+            model = registry.codec_model(base, "int4-token")
+            assert all(c.codec.describe() == "int4-toy" for c in model.caches)
+        finally:
+            registry.unregister("int4-token")
+        assert "int4-token" not in registry.names()
+    finally:
+        sys.path.remove(str(pkg))
+        sys.modules.pop("toy_int4", None)
+
+    # the CLI accepts it
+    cli = run_patched("cli", "--kv_codec=int4-token", "--prompt=hi", stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
+    out, err = cli.communicate(timeout=300)
+    assert cli.returncode == 0 and "CLI kv_codec: int4-token" in out, err[-800:]
+
+    # the real server serves one request with it on 127.0.0.1
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    server = run_patched("server", "--kv_codec=int4-token", f"--port={port}", "--max_batch=1",
+                         "--n_blocks=16", "--block_size=16", "--max_len=128",
+                         "--token_budget=32", "--prefill_chunk=32", "--nowarmup_scoring",
+                         "--log_level=warning", stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while "servax: serving" not in (tmp_path / "server.log").read_text():
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the server did not start in 600 s"
+            time.sleep(0.5)
+        banner = (tmp_path / "server.log").read_text()
+        assert "kv_codec=int4-token," in banner
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):  # the banner comes just before uvicorn binds
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["text"]
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()

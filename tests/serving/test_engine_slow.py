@@ -4,7 +4,6 @@ import jax
 import numpy as np
 import pytest
 
-from research import data
 from research.model import init_params, make_model, tiny_config
 from research.serving.api import Request, SamplingParams
 from research.serving.engine import ServingEngine
@@ -47,7 +46,7 @@ def _check_equals_generate(model, tok, engine, prompts, n):
 @pytest.mark.slow
 def test_smollm2_tasq_1bit_paged_equals_tasq_dense_generate(smollm2):
     model, tok = smollm2
-    cal = CalibrationData.from_ids(tok.encode(data.corpus_text("calibration")), 128, 8)
+    cal = CalibrationData.from_corpus(tok, 128, 8)
     cfg = TaSQConfig(bits=1, kmeans_iters=4, max_points=1024)
     quantized, _ = calibrate_and_apply(tasq(cfg), model, cal)
     assert isinstance(quantized.caches[0].codec, (CQCodec, VQCodec))  # pre- or post-RoPE
