@@ -124,6 +124,8 @@ VERDICTS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
          [(ANY, "engine / generate decode tok/s, tasq-1bit batch 32")]),
         ("decode step at 2x max_len < 1.1x the step at max_len: **met**",
          [(ANY, "decode step at 2x max_len / at max_len")]),
+        (">= 1.5x llama-server at saturation: **missed**",
+         [("serving_peer_llamacpp_saturation", "servax / llama-server (batching peer)")]),
     ],
 }
 
