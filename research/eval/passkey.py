@@ -17,14 +17,19 @@ caller passes dev text for dev and test text for test.
 `template="chat"` wraps the same text in the tokenizer's chat template (the question in
 the user turn, "The pass key is" opening the assistant's), for instruct models.
 
+`write_lm_eval_task` writes the same trials as an lm-evaluation-harness local task
+(generate_until, the first number before ANSWER_STOP, exact match on the key), to be run
+with `local-completions` against servax's OpenAI server.
+
 `passkey_accuracy` decodes greedily (`research.decode.generate`: the prompt prefilled in
 pieces, so 8k tokens fit) and reads the answer as the first number before the first
-newline (ANSWER_STOP), the way the lm-eval task (experiments/serving/long_context_quality_
-experiment.py) reads the server's completion cut at the same stop string.
+newline (ANSWER_STOP), the way the lm-eval task reads the server's completion, cut at the same stop string.
 """
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -164,3 +169,61 @@ def passkey_accuracy(model, tokenizer, trials: Sequence[PasskeyTrial], *,
     answers = tuple(first_number(g) for g in generations)
     correct = tuple(a == t.key for a, t in zip(answers, trials))
     return PasskeyResult(sum(correct) / len(trials), correct, answers, tuple(generations))
+
+
+LM_EVAL_TASK = """\
+# servax passkey retrieval (research/eval/passkey.py): greedy generate_until, the first
+# number before the first newline, exact match on the key
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{key}}}}"
+generation_kwargs:
+  until: {until}
+  max_gen_toks: {max_new_tokens}
+  do_sample: false
+  temperature: 0
+filter_list:
+  - name: first_number
+    filter:
+      - function: regex
+        regex_pattern: '(\\d+)'
+        group_select: 0
+        fallback: "[none]"
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def write_lm_eval_task(trials: Sequence[PasskeyTrial], out_dir, *,
+                       task: str = "servax_passkey", max_new_tokens: int = 8) -> Path:
+    """`trials` as an lm-eval local task `task` in `out_dir` (<task>.jsonl + <task>.yaml,
+    the data path absolute): run it with `--include_path out_dir --tasks <task>`; its
+    metric is exact_match,first_number. Returns the YAML's path."""
+    if not trials:
+        raise ValueError("trials is empty: pass at least one PasskeyTrial")
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", task):
+        raise ValueError(f"task must be an identifier (letters, digits, _), got {task!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / f"{task}.jsonl"
+    with open(data, "w") as f:
+        for t in trials:
+            f.write(json.dumps({"prompt": t.prompt, "key": t.key, "depth": t.depth}) + "\n")
+    yaml = out / f"{task}.yaml"
+    yaml.write_text(LM_EVAL_TASK.format(task=task, data=json.dumps(str(data.resolve())),
+                                        until=json.dumps([ANSWER_STOP]),
+                                        max_new_tokens=max_new_tokens))
+    return yaml
