@@ -63,21 +63,54 @@ def _window_nll(model: Model, tokens, lengths, score_from, cache_states):
     return jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("live",))
-def _piece_nll(model: Model, piece, targets, start, n_new, score_from, lengths, cache_states,
-               live=None):
-    """One piece of a batch of windows: sum of NLL and count of the targets it predicts
-    (position p predicts targets[:, p - start]; scored at score_from <= p + 1 < lengths),
-    and the cache states after writing it. live: attend over the first `live` slots only
-    (`Model.live_slots`; None: all)."""
+@functools.partial(jax.jit, static_argnames=("live", "score"))
+def _scored_piece(model: Model, piece, start, n_new, cache_states, score_args, *,
+                  live=None, score):
+    """One piece of a batch of windows through `model`'s caches: (score(logits [b, chunk, V],
+    start, *score_args), the cache states after writing it). live: attend over the first
+    `live` slots only (`Model.live_slots`; None: all)."""
     out = forward_live(model, piece, cache_states=cache_states, live=live, start=start,
                        n_new=n_new)
-    logp = jax.nn.log_softmax(out.logits, axis=-1)
+    return score(out.logits, start, *score_args), out.cache_states
+
+
+def _no_score(logits, start):
+    return ()  # a prefill-only piece: its logits are unused, so XLA drops the LM head
+
+
+def scored_pieces(model: Model, tokens, lengths, states, chunk: int, score,
+                  args_of=lambda c0, width: (), prefill_until: int = 0):
+    """Prefill right-padded windows `tokens` [b, t] (row lengths `lengths`) through `model`'s
+    caches in pieces of `chunk` tokens (module docstring), yielding per piece (c0, score's
+    output): `score(logits, start, *args_of(c0, width))` runs jitted beside the forward
+    (a module-level function: it is a static argument), so a piece's logits never leave
+    the device unless the score returns them. Pieces ending by position `prefill_until`
+    are only prefilled (no LM head, nothing yielded). The chunked-scoring loop of every
+    metric here (perplexity, research.eval.divergence)."""
+    b, t = tokens.shape
+    for c0 in range(0, t, chunk):
+        width = min(chunk, t - c0)
+        piece = np.zeros((b, chunk), np.int32)
+        piece[:, :width] = tokens[:, c0:c0 + width]
+        n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
+        prefill_only = c0 + chunk <= prefill_until
+        out, states = _scored_piece(model, jnp.asarray(piece), jnp.full((b,), c0, jnp.int32),
+                                    jnp.asarray(n_new), states,
+                                    () if prefill_only else args_of(c0, width),
+                                    live=model.live_slots(states, c0 + chunk, chunk),
+                                    score=_no_score if prefill_only else score)
+        if not prefill_only:
+            yield c0, out
+
+
+def _nll_score(logits, start, targets, score_from, lengths):
+    """Sum of NLL and count per row of the targets a piece predicts (position p predicts
+    targets[:, p - start]; scored at score_from <= p + 1 < lengths)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    t = start[:, None] + 1 + jnp.arange(piece.shape[1])[None, :]  # the target's position
+    t = start[:, None] + 1 + jnp.arange(logits.shape[1])[None, :]  # the target's position
     scored = (t >= score_from[:, None]) & (t < lengths[:, None])
-    return (jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1),
-            out.cache_states)
+    return jnp.sum(jnp.where(scored, nll, 0.0), axis=1), jnp.sum(scored, axis=1)
 
 
 def _chunked_nll(model: Model, tokens, lengths, score_from, states, chunk: int):
@@ -85,18 +118,16 @@ def _chunked_nll(model: Model, tokens, lengths, score_from, states, chunk: int):
     b, t = tokens.shape
     targets = np.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
-    total, count = 0.0, 0
-    for c0 in range(0, t, chunk):
-        width = min(chunk, t - c0)
-        piece = np.zeros((b, chunk), np.int32)
-        piece[:, :width] = tokens[:, c0:c0 + width]
+
+    def args_of(c0, width):
         tgt = np.zeros((b, chunk), np.int32)
         tgt[:, :width] = targets[:, c0:c0 + width]
-        n_new = np.clip(lengths - c0, 0, chunk).astype(np.int32)
-        nll, n, states = _piece_nll(model, jnp.asarray(piece), jnp.asarray(tgt),
-                                    jnp.full((b,), c0, jnp.int32), jnp.asarray(n_new),
-                                    jnp.asarray(score_from), jnp.asarray(lengths), states,
-                                    live=model.live_slots(states, c0 + chunk, chunk))
+        return jnp.asarray(tgt), jnp.asarray(score_from), jnp.asarray(lengths)
+
+    total, count = 0.0, 0
+    # a piece whose positions all predict targets before score_from scores nothing
+    for _, (nll, n) in scored_pieces(model, tokens, lengths, states, chunk, _nll_score,
+                                     args_of, prefill_until=int(np.min(score_from)) - 1):
         total += float(jnp.sum(nll))
         count += int(jnp.sum(n))
     return total, count
