@@ -23,6 +23,14 @@ entries and D multiply-adds, against G entries and G adds for post-RoPE codes an
 rebuilt [D] key, two [D] rotations and a D-long dot for the rebuild (see
 `vq_attention_blockwise(..., key_rope=...)`).
 
+Measured on XLA:CPU (scripts/bench_vq_key_reads_cpu.py, one SmolLM2 layer, batch 4 x 8k,
+2 shared cores): the rotated read is no faster than the rebuild (19.4 vs 18.5 ms and 32.8
+vs 26.5 ms in two runs; post-RoPE tables 7-11 ms, bf16 31-37 ms). Per token and KV head
+it does ~2.7x fewer multiply-adds (3 x 64 against 128 + 3 x 128) but gathers 3x more
+table floats (8 rows of 3 x 8 against 8 centroids of 8), and XLA:CPU's gathers, not the
+rebuild's small dense dots, are what the time goes to. The table rows fit where a
+kernel keeps them on chip (TPU VMEM, GPU shared memory), where the trade can differ.
+
 Layouts as in reference.py: codes [B, S, Hkv, G] uint8 with slot s at position s,
 codebooks [Hc, G, K, g], queries in the codec's channel order (perm [Hkv, D]: codec
 channel c of head h is model channel perm[h, c]).
@@ -107,6 +115,18 @@ class PairTables:
         ang = positions.astype(jnp.float32)[:, None, None, None] * self.omega[None]
         return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
 
+    def shifted(self, local: Float[Array, "S H G X"], origin) -> Float[Array, "S H G X"]:
+        """`cos_sin(origin + j)` from `local = cos_sin(j)` by angle addition (4 multiply-
+        adds per entry instead of two transcendentals: a reader computes `local` once for
+        a block's offsets and shifts it to each block's origin). The angles round as
+        fl(origin * omega) + fl(j * omega), not fl((origin + j) * omega): a difference of
+        order |p omega| 2^-24 radians (~5e-4 at p = 8k, omega = 1), the same as the
+        rebuild reader's block-origin rotation (rope.KeyRope.query_terms)."""
+        p = self.omega.shape[-1]
+        at = self.cos_sin(jnp.asarray(origin)[None])[0]  # [H, G, X]
+        co, so, cj, sj = at[..., :p], at[..., p:], local[..., :p], local[..., p:]
+        return jnp.concatenate([co * cj - so * sj, so * cj + co * sj], axis=-1)
+
 
 def rotated_tables(q: Float[Array, "B T Hq D"], k_codebook: Float[Array, "Hc G K g"],
                    pairs: PairTables, sm_scale: float) -> Float[Array, "B Hkv G K R X"]:
@@ -153,8 +173,10 @@ def vq_attention_rotated(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B S
                          sm_scale: float | None = None) -> Float[Array, "B T Hq D"]:
     """Masked GQA attention over pre-RoPE key codes (slot s at position s) through rotated
     per-query tables; values through per-code bins (reference.values_from_codes). Keys
-    are scored `block` slots at a time (at most one block of gathered table rows exists);
-    f32 output, all-masked rows give zeros."""
+    are scored `block` slots at a time (at most one block of gathered table rows exists),
+    with cos/sin of the block's offsets computed once and shifted to each block's origin
+    (`PairTables.shifted`: on XLA:CPU exact per-position cos/sin cost ~40% of the read at
+    8k); f32 output, all-masked rows give zeros."""
     b, t, hq, d = q.shape
     _, s, hkv, g = k_codes.shape
     gq = hq // hkv
@@ -164,10 +186,11 @@ def vq_attention_rotated(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B S
     n_blocks = -(-s // block)
     codes = jnp.pad(k_codes, ((0, 0), (0, n_blocks * block - s), (0, 0), (0, 0)))
     codes = jnp.moveaxis(codes.reshape(b, n_blocks, block, hkv, g), 1, 0)
+    local = pairs.cos_sin(jnp.arange(block))  # block-local offsets, once
 
     def block_scores(xs):  # -> [B, H, R, block]
         block_codes, i = xs
-        return rotated_scores(tables, block_codes, pairs.cos_sin(i * block + jnp.arange(block)))
+        return rotated_scores(tables, block_codes, pairs.shifted(local, i * block))
 
     scores = jax.lax.map(block_scores, (codes, jnp.arange(n_blocks)))  # [n, B, H, R, blk]
     scores = jnp.moveaxis(scores, 0, 3).reshape(b, hkv, t * gq, n_blocks * block)[..., :s]
