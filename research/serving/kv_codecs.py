@@ -129,7 +129,7 @@ def _fp8(per_head):
     return make
 
 
-def _tasq(key_space, bits=1):
+def _tasq(key_space, bits=1, key_read="rebuild"):
     # post-RoPE codebooks are fitted at positions drawn over the whole served range
     # (TaSQConfig.calibration_positions), not only the calibration text's 0-255
     positions = "served" if key_space == "post_rope" else "text"
@@ -137,7 +137,8 @@ def _tasq(key_space, bits=1):
     def make(seed, **options):  # options: TaSQConfig fields (kmeans_iters, max_points, ...)
         from research.tasq import TaSQConfig, tasq
         return tasq(TaSQConfig(**{"bits": bits, "seed": seed, "key_space": key_space,
-                                  "calibration_positions": positions, **options}))
+                                  "calibration_positions": positions, "key_read": key_read,
+                                  **options}))
     return make
 
 
@@ -170,6 +171,9 @@ BUILTIN = (
     CodecSpec("tasq-1bit-post", _tasq("post_rope"), True, True,
               "TaSQ 1-bit VQ codes, keys after RoPE, codebooks fitted over the served "
               "positions (lookup-table read; calibrated)"),
+    CodecSpec("tasq-1bit-rot", _tasq("pre_rope", key_read="rotated_table"), True, True,
+              "TaSQ 1-bit VQ codes, keys before RoPE in groups of whole RoPE pairs, scored "
+              "through one rotated lookup table per query (no key rebuild; calibrated)"),
     CodecSpec("tasq-2bit", _tasq("pre_rope", bits=2), True, True,
               "TaSQ 2-bit VQ codes, keys before RoPE (calibrated)"),
     CodecSpec("sign-1bit", _sign, False, True,

@@ -32,6 +32,17 @@ class TaSQConfig:
       grouping may split RoPE pairs: keys are rotated after decoding, in codec order.
       "post_rope" codes keys after RoPE, so one lookup table per query scores every
       position without rebuilding keys (the faster read, the larger quality loss).
+    key_read: how pre-RoPE key codes are scored. "rebuild" (the default): centroids ->
+      keys -> RoPE at their positions -> dot, one block at a time. "rotated_table": key
+      groups are made of whole RoPE pairs (i, i + D/2) (covariance grouping over pair
+      units, or pairs in order without channel_grouping), so one table of query-centroid
+      complex products per query serves every position, each token's entries rotated by
+      its position's cos/sin (no key rebuilt; kernels_pallas/vq_attention/rotated.py;
+      CommVQ's commuting codebooks without constraining the centroids: a 2-D centroid per
+      pair is a complex number, which commutes with the rotation). Same scores as
+      "rebuild" on the same codes up to float rounding; the pair-aligned grouping can
+      change the codes' quality. The XLA read (CPU) uses it; the Pallas kernels rebuild.
+      Pre-RoPE keys only (post-RoPE codes already read through plain tables).
     calibration_positions: where post-RoPE key codebooks are fitted. "text": at the
       positions the calibration text had (0 .. its length - 1, e.g. 0-255), so keys that
       later positions rotate elsewhere fall outside them (8k perplexity 549 against bf16's
@@ -59,6 +70,7 @@ class TaSQConfig:
     # --config=experiments/tasq/tasq.py:dev`, results/tasq_dev/)
     key_space: str = "pre_rope"
     calibration_positions: str = "text"
+    key_read: str = "rebuild"
 
     def __post_init__(self):
         if self.bits not in (1, 2):
@@ -74,6 +86,12 @@ class TaSQConfig:
         if self.key_space not in ("post_rope", "pre_rope"):
             raise ValueError(f"key_space must be 'post_rope' or 'pre_rope', got "
                              f"{self.key_space!r}")
+        if self.key_read not in ("rebuild", "rotated_table"):
+            raise ValueError(f"key_read must be 'rebuild' or 'rotated_table', got "
+                             f"{self.key_read!r}")
+        if self.key_read == "rotated_table" and self.key_space != "pre_rope":
+            raise ValueError(f"key_read='rotated_table' reads pre-RoPE key codes; got "
+                             f"key_space={self.key_space!r}")
         if self.calibration_positions not in ("text", "served"):
             raise ValueError(f"calibration_positions must be 'text' or 'served', got "
                              f"{self.calibration_positions!r}")
@@ -97,6 +115,14 @@ class TaSQConfig:
         if self.channel_grouping and g % 2 and self.key_space == "post_rope":
             raise ValueError(f"channel_grouping keeps RoPE pairs together, so group_size "
                              f"must be even, got {g}")
+        if self.key_read == "rotated_table" and g % 2:
+            raise ValueError(f"key_read='rotated_table' codes whole RoPE pairs, so "
+                             f"group_size must be even, got {g}")
+
+    @property
+    def pair_aligned_keys(self) -> bool:
+        """Key groups hold whole RoPE pairs (post-RoPE keys, or the rotated-table read)."""
+        return self.key_space == "post_rope" or self.key_read == "rotated_table"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -17,10 +17,19 @@ Optional channel permutations ([Hkv, D], groups = runs of the permuted channels)
 same codec serve TaSQ's pre-RoPE key space (covariance-aware grouping); CQ uses none. The
 rotation is applied in the codec's channel order (KeyRope), so nothing is un-permuted
 per block.
+
+`key_read="rotated_table"` reads the same codes without rebuilding keys when every group
+holds whole RoPE pairs (i, i + D/2): one table of query-centroid complex products per
+query, rotated per token by its position's cos/sin (kernels_pallas/vq_attention/
+rotated.py). It is the XLA read (implementation "xla", or "auto" on CPU) of decode steps
+and of query chunks short enough for tables (`use_lookup_tables`); the Pallas kernels
+(TPU, GPU, "pallas") and long prefill chunks still rebuild keys block by block, which gives
+the same scores up to float rounding.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 import jax
@@ -30,12 +39,16 @@ from kernels_pallas.vq_attention.api import vq_decode_attention
 from kernels_pallas.vq_attention.reference import (dequantize, vq_attention_blockwise,
                                                    vq_decode_attention_pre_rope)
 from kernels_pallas.vq_attention.rope import KeyRope
+from kernels_pallas.vq_attention.rotated import PairTables, vq_attention_rotated
 from research.core.attention import attend
 from research.core.rope import apply_rope
 from research.kv.codec import KVCodec
 from kernels_pallas.dispatch import IMPLEMENTATIONS
 from research.tasq.vq import (check_kv_finite, encode, inverse_permutation, paged_codes_reader,
                               permute_channels)
+
+
+KEY_READS = ("rebuild", "rotated_table")
 
 
 @struct.dataclass
@@ -53,13 +66,25 @@ class CQCodec(KVCodec):
     # decode steps: "auto" (XLA on CPU, the Pallas kernel on TPU/GPU), "xla" or "pallas"
     implementation: str = struct.field(pytree_node=False, default="auto")
     interpret: bool = struct.field(pytree_node=False, default=False)
-    # keys rebuilt per step of the XLA readers
+    # keys rebuilt (or scored through rotated tables) per step of the XLA readers
     block: int = struct.field(pytree_node=False, default=512)
+    # how the XLA reader scores keys: "rebuild" (centroids -> keys -> RoPE -> dot, block by
+    # block) or "rotated_table" (one rotated table per query; groups must be whole RoPE
+    # pairs: module docstring)
+    key_read: str = struct.field(pytree_node=False, default="rebuild")
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                              f"{self.implementation!r}")
+        if self.key_read not in KEY_READS:
+            raise ValueError(f"key_read must be one of {KEY_READS}, got {self.key_read!r}")
+        if self.key_read == "rotated_table" and all(
+                isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
+                for x in (self.key_codebook, self._key_order(1))):
+            # concrete arrays (not the placeholders of tree utilities): a permutation
+            # whose groups split a RoPE pair raises here, not as wrong scores later
+            self.pair_tables(self.key_codebook.shape[1] * self.key_codebook.shape[3])
 
     def record_spec(self, n_kv_heads, head_dim):
         for name, cb in (("key_codebook", self.key_codebook),
@@ -87,7 +112,25 @@ class CQCodec(KVCodec):
         k_codes, v_codes = view.records["k_codes"], view.records["v_codes"]  # [B, S, Hkv, G]
         key_rope = self.key_rope(d)
         qp = permute_channels(q, self._key_order(d))
-        if t == 1 and view.window is None:  # decode step: the Pallas kernel or two passes
+        if self.key_read == "rotated_table" and (
+                (t == 1 and (view.window is not None or self.implementation == "xla"))
+                or (t > 1 and self.use_lookup_tables(t, q.shape[2] // k_codes.shape[2],
+                                                     k_codes.shape[1]))):
+            out = self._rotated(qp, k_codes, v_codes, view.mask())
+        elif self.key_read == "rotated_table" and t == 1:  # "auto"/"pallas" decode step
+            def rotated(*a):
+                return self._rotated(a[0][:, None], *a[1:3], a[3])[:, 0].astype(a[0].dtype)
+
+            def kernel(*a):
+                return vq_decode_attention(a[0], a[1], a[2], self.key_codebook,
+                                           self.value_codebook, a[4],
+                                           implementation=self.implementation,
+                                           interpret=self.interpret, key_rope=key_rope)
+            args = (qp[:, 0], k_codes, v_codes, view.mask(), view.lengths)
+            out = (kernel(*args) if self.implementation == "pallas" else
+                   jax.lax.platform_dependent(*args, cpu=rotated, default=kernel))
+            out = out[:, None].astype(jnp.float32)
+        elif t == 1 and view.window is None:  # decode step: the Pallas kernel or two passes
             codes = (qp[:, 0], k_codes, v_codes, self.key_codebook, self.value_codebook,
                      view.lengths)
             if self.implementation != "xla":
@@ -101,6 +144,21 @@ class CQCodec(KVCodec):
                                          self.value_codebook, view.mask(), block=self.block,
                                          key_rope=key_rope)
         return self._unpermute(out, self.value_perm).astype(q.dtype)
+
+    def _rotated(self, qp, k_codes, v_codes, mask):
+        return vq_attention_rotated(qp, k_codes, v_codes, self.key_codebook,
+                                    self.value_codebook, mask,
+                                    self.pair_tables(qp.shape[-1]), self.block)
+
+    def use_lookup_tables(self, t: int, q_per_kv: int, context: int) -> bool:
+        """Rotated tables for a query chunk when they are smaller than the context they
+        summarise (as VQCodec's); longer chunks rebuild keys per block."""
+        return t * q_per_kv * self.key_codebook.shape[2] <= context
+
+    def pair_tables(self, head_dim: int) -> PairTables:
+        """Where each key group's RoPE pairs sit (rotated-table read)."""
+        return PairTables.from_permutation(self._key_order(head_dim),
+                                           self.key_codebook.shape[3], self.rope_theta)
 
     def page_reader(self, window, read):
         """Decode steps on code pages: the paged VQ kernel with the keys' RoPE tables
@@ -138,4 +196,5 @@ class CQCodec(KVCodec):
     def describe(self):
         hc, g, k, gs = self.key_codebook.shape
         groups = "adjacent" if self.key_perm is None else "permuted"
-        return f"{self.label}[pre-RoPE keys, {g}x{gs}ch {groups} groups, {k} centroids]"
+        read = ", rotated-table read" if self.key_read == "rotated_table" else ""
+        return f"{self.label}[pre-RoPE keys, {g}x{gs}ch {groups} groups, {k} centroids{read}]"

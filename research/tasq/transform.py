@@ -20,6 +20,7 @@ from jaxtyping import Array
 
 from research.core.rope import apply_rope
 from research.kv.layouts import replace_codecs
+from kernels_pallas.vq_attention.rotated import pair_aligned_order
 from research.tasq.cq import CQCodec
 from research.tasq.vq import VQCodec
 from research.model.llama import Model
@@ -89,10 +90,13 @@ def layer_scales(stats: LayerStats, wo: np.ndarray, config: TaSQConfig):
 # -- grouping and codebooks -------------------------------------------------------------------
 
 def _perms(x: np.ndarray, config: TaSQConfig, is_key: bool) -> np.ndarray:
-    """[Hkv, D] permutations of scaled data x [N, Hkv, D]."""
+    """[Hkv, D] permutations of scaled data x [N, Hkv, D]; `is_key`: groups of whole RoPE
+    pairs (without channel_grouping: pairs in order, `pair_aligned_order`)."""
     n, hkv, d = x.shape
     if not config.channel_grouping:
-        return np.tile(np.arange(d, dtype=np.int32), (hkv, 1))
+        order = (pair_aligned_order(d, config.channels_per_code)
+                 if is_key and config.key_space == "pre_rope" else np.arange(d))
+        return np.tile(order.astype(np.int32), (hkv, 1))
     units = grouping.rope_pair_units(d) if is_key else grouping.channel_units(d)
     g = config.channels_per_code
 
@@ -154,9 +158,10 @@ def calibrate_state(model: Model, data: CalibrationData, config: TaSQConfig,
         ks, vs = layer_scales(st, model.params["layers"][layer]["wo"], config)
         keys = calibration_keys(st, config, c, rng)  # scales commute with RoPE
         kx, vx = keys * ks[None], st.v * vs[None]
-        # Post-RoPE groups keep rotating pairs together (the pair's angle is per channel);
-        # pre-RoPE codes are rotated after decoding, so any grouping is allowed.
-        kp = _perms(kx, config, is_key=config.key_space == "post_rope")
+        # Post-RoPE groups keep rotating pairs together (the pair's angle is per channel),
+        # and so does the rotated-table read of pre-RoPE codes (a code fixes whole pairs);
+        # rebuilt pre-RoPE codes are rotated after decoding, so any grouping is allowed.
+        kp = _perms(kx, config, is_key=config.pair_aligned_keys)
         vp = _perms(vx, config, is_key=False)
         out["key_scale"].append(ks)
         out["value_scale"].append(vs)
@@ -193,7 +198,8 @@ def apply_state(model: Model, state: TaSQState, label: str = "tasq") -> Model:
             return CQCodec(state.key_codebook[i], state.value_codebook[i],
                              rope_theta=c.rope_theta, key_perm=state.key_perm[i],
                              value_perm=state.value_perm[i], label=label,
-                             implementation=cfg.implementation, interpret=cfg.interpret)
+                             implementation=cfg.implementation, interpret=cfg.interpret,
+                             key_read=cfg.key_read)
         return VQCodec.create(state.key_codebook[i], state.value_codebook[i],
                                 state.key_perm[i], state.value_perm[i],
                                 implementation=cfg.implementation, interpret=cfg.interpret,

@@ -69,3 +69,14 @@ def test_paged_bench_main_and_bad_shape(tmp_path):
         vq_bench.parse_args(["--shapes", "gpt5"])
     with pytest.raises(SystemExit, match="unknown"):
         gpu_check.main(["--dry-run", "--sections", "check_vq"])
+
+
+def test_cpu_key_read_bench_dry_run(capsys):
+    """scripts/bench_vq_key_reads_cpu.py (issue 44 item 2's timings) runs at tiny sizes and
+    its rotated-table read matches the rebuild read it is timed against."""
+    import bench_vq_key_reads_cpu as key_reads
+    assert key_reads.main(["--dry-run"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["ms"]) == {"bf16", "post", "rebuild", "rotated", "post_keys",
+                                 "rebuild_keys", "rotated_keys"}
+    assert report["rotated_vs_rebuild_max_abs_diff"] < 1e-4
