@@ -45,8 +45,10 @@ def test_kl_and_agreement_equal_a_direct_computation(tiny):
     ref_nll = -np.take_along_axis(ref[:, pos], tgt, -1)[..., 0]
     d = got["int8"]
     assert kl.mean() > 1e-7  # the int8 cache does move the distribution
-    np.testing.assert_allclose(d.window_kl, kl.mean(1), rtol=1e-4)
-    assert d.kl == pytest.approx(kl.mean(), rel=1e-4)
+    # KL ~1e-5 is a difference of nearly equal log-probs: chunked prefill's f32 logits
+    # (pieces of 16) move it by ~1e-3 relative, so the bound is absolute at that scale
+    np.testing.assert_allclose(d.window_kl, kl.mean(1), rtol=1e-2, atol=1e-7)
+    assert d.kl == pytest.approx(kl.mean(), rel=1e-2, abs=1e-7)
     np.testing.assert_allclose(d.window_top1, top1.mean(1))
     np.testing.assert_allclose(d.window_nll, nll.mean(1), rtol=1e-5)
     np.testing.assert_allclose(d.window_ref_nll, ref_nll.mean(1), rtol=1e-5)

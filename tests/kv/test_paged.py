@@ -70,7 +70,7 @@ def _run(model, manager, states, seqs, chunks):
     return out.logits, out.cache_states
 
 
-@pytest.mark.parametrize("prefix_len", [8, 10])  # block-aligned and mid-block forks
+@pytest.mark.parametrize("prefix_len", [pytest.param(8, marks=pytest.mark.slow), 10])  # block-aligned (slow: ~15 s) and mid-block forks
 def test_shared_prefix_gives_identical_outputs_to_copied_prefix(tiny, prefix_len):
     bs, n_blocks = 4, 24
     model = _paged(tiny, block_size=bs, n_blocks=n_blocks)
@@ -164,7 +164,7 @@ def _codec_caches(model, codec_name):
     return model.replace(caches=(DenseKVCache(codec),) * model.config.n_layers)
 
 
-@pytest.mark.parametrize("codec_name", ["vq", "cq"])
+@pytest.mark.parametrize("codec_name", ["vq", pytest.param("cq", marks=pytest.mark.slow)])
 def test_codec_pages_read_by_the_paged_kernel_generate_like_xla(tiny, codec_name):
     """Decode steps on VQ code pages go through the codec's page reader (the paged Pallas
     kernel, interpret mode, reading pages through the table; f32 dots): the same tokens

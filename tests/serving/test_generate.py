@@ -160,7 +160,7 @@ def test_chunked_prefill_equals_one_shot_prefill():
         prefill_in_chunks(model, tokens, lengths, model.init_cache(4, 64), chunk=0)
 
 
-@pytest.mark.parametrize("codec", ["bfloat16", "int8"])
+@pytest.mark.parametrize("codec", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_chunked_prefill_skips_masked_key_blocks(codec):
     """Pieces attend over the live slots only (a power-of-two bucket of pieces): the
     result equals one prefill of the whole prompts for a float and an int8 cache, and an

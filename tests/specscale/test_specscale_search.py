@@ -169,7 +169,8 @@ def test_dedup_bundles_fill_beam_slots_by_weight(ctx, problems):
     assert searcher._select([cand(-1.0, 1)], {0: done})[0] == []
 
 
-@pytest.mark.parametrize("width,expand", [(2, 3), (1, 4)])
+@pytest.mark.parametrize("width,expand", [pytest.param(2, 3, marks=pytest.mark.slow),  # ~16 s
+                                          (1, 4)])
 def test_dedup_alone_makes_beam_search_decisions_at_less_cost(char_model, char_tokenizer,
                                                               problems, width, expand):
     """Same seeds: dedup reproduces beam search's paths and scores exactly (every child
