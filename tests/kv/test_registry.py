@@ -213,7 +213,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # ~30 s; the toy codec's every-layout-and-engine test stays fast (make test stays < 20 min)
 def test_the_codec_recipe_end_to_end(tmp_path, base):
     pkg = _recipe_package(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(pkg)])}
