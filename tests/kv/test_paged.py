@@ -34,6 +34,7 @@ def test_generate_on_paged_cache_matches_dense(tiny):
     assert dense.tokens == pg.tokens
 
 
+@pytest.mark.slow  # ~20 s; tests/serving/test_generate.py checks chunked prefill fast (make test < 20 min)
 def test_chunked_prefill_logits_match_dense(tiny):
     """Prefill in uneven chunks crossing block boundaries: same logits as the dense cache."""
     rng = np.random.default_rng(0)
@@ -176,7 +177,8 @@ def test_codec_pages_read_by_the_paged_kernel_generate_like_xla(tiny, codec_name
     assert runs[0].tokens == runs[1].tokens
 
 
-@pytest.mark.parametrize("codec_name,tol", [("int8", 3e-2), ("vq", 1e-4), ("cq", 1e-4)])
+@pytest.mark.parametrize("codec_name,tol", [("int8", 3e-2), ("vq", 1e-4),
+                                            pytest.param("cq", 1e-4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", ["paged", "dense"])
 def test_codec_decode_step_kernel_logits_match_xla(tiny, codec_name, tol, layout):
     """One decode step after a prefill, read by the codec's kernel (interpret) vs XLA, in

@@ -22,7 +22,8 @@ def close_drafter(chaotic):
 
 @pytest.mark.parametrize("which,policy", [pytest.param("lookup", SMALL, marks=pytest.mark.slow),
                                           ("lookup", FIXED),
-                                          ("early_exit", FIXED), ("close", SMALL)])
+                                          ("early_exit", FIXED),
+                                          pytest.param("close", SMALL, marks=pytest.mark.slow)])
 def test_greedy_equals_plain_greedy(chaotic, prompts, close_drafter, which, policy):
     drafter = {"lookup": prompt_lookup(), "early_exit": early_exit(1),
                "close": close_drafter}[which]
