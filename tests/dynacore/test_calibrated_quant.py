@@ -58,7 +58,7 @@ def test_input_stats_are_the_layer_inputs_over_real_tokens():
     assert stats["0/w_down"].xtx.shape == (CONFIG.ffn_dim, CONFIG.ffn_dim)
 
 
-@pytest.mark.slow  # ~15 s; the GPTQ transform's own tests stay fast (make test < 20 min)
+@pytest.mark.slow  # ~15 s; the GPTQ transform's own tests stay fast
 def test_symmetric_gptq_codes_equal_qwix_gptq_core():
     x, w = _correlated(1)
     h = x.T @ x

@@ -59,8 +59,8 @@ FAST_RUN = "patchkv_dev_sweep"  # the cheapest (specscale's took ~45 s on 2 core
 
 
 # one sweep in the default suite, the others in the slow one (~20-45 s each)
-@pytest.mark.parametrize("run_name", [n if n == FAST_RUN else pytest.param(n, marks=pytest.mark.slow)
-                                      for n in RUNS])
+@pytest.mark.parametrize("run_name", [n if n == FAST_RUN else
+                                      pytest.param(n, marks=pytest.mark.slow) for n in RUNS])
 def test_a_dev_sweep_runs_through_the_runner(run_name, tiny_gguf, tmp_path):
     """Each dev sweep end to end on a tiny random model (~20 s each): its results go to
     the workdir, its protocol block says dev, and no ledger record is written."""

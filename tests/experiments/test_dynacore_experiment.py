@@ -40,7 +40,7 @@ def _run(tmp_path, *extra):
     return json.loads((tmp_path / "w" / "dynacore_small" / "results.json").read_text())
 
 
-@pytest.mark.slow  # ~80 s on 2 cores; tests/dynacore covers the transforms (make test stays < 20 min)
+@pytest.mark.slow  # ~80 s on 2 cores; tests/dynacore covers the transforms
 def test_dynacore_experiment_chooses_on_dev_and_scores_the_choice(tmp_path):
     result = _run(tmp_path, "--config.sections=quality,hlo")
     q = result["extra"]["quality"]

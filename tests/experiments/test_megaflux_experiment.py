@@ -18,7 +18,7 @@ TOY = ["--config.train.dim=16", "--config.train.expert_ffn_dim=16", "--config.tr
        "--config.measure.repeats=1"]
 
 
-@pytest.mark.slow  # ~2 min on 2 cores: the whole experiment twice; tests/megaflux covers the layer (make test stays < 20 min)
+@pytest.mark.slow  # ~2 min on 2 cores (the experiment twice); tests/megaflux: the layer
 def test_megaflux_experiment_runs_and_resumes(tmp_path):
     """The second run finds the first one's final checkpoint (restored arrays are committed
     to one device) and must still run the 8-device layer check."""

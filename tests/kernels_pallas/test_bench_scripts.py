@@ -14,7 +14,7 @@ import bench_vq_attention_gpu as vq_bench  # noqa: E402
 import gpu_check  # noqa: E402
 
 
-@pytest.mark.slow  # ~50 s; the compressed-page dry run below keeps gpu_check covered (make test stays < 20 min)
+@pytest.mark.slow  # ~50 s; the compressed-page dry run below keeps gpu_check covered
 def test_gpu_check_dry_run_runs_both_attention_benches(tmp_path):
     out = tmp_path / "check.json"
     assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0

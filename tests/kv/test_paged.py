@@ -34,7 +34,7 @@ def test_generate_on_paged_cache_matches_dense(tiny):
     assert dense.tokens == pg.tokens
 
 
-@pytest.mark.slow  # ~20 s; tests/serving/test_generate.py checks chunked prefill fast (make test < 20 min)
+@pytest.mark.slow  # ~20 s; tests/serving/test_generate.py checks chunked prefill fast
 def test_chunked_prefill_logits_match_dense(tiny):
     """Prefill in uneven chunks crossing block boundaries: same logits as the dense cache."""
     rng = np.random.default_rng(0)
@@ -71,7 +71,8 @@ def _run(model, manager, states, seqs, chunks):
     return out.logits, out.cache_states
 
 
-@pytest.mark.parametrize("prefix_len", [pytest.param(8, marks=pytest.mark.slow), 10])  # block-aligned (slow: ~15 s) and mid-block forks
+# block-aligned (slow: ~15 s) and mid-block forks
+@pytest.mark.parametrize("prefix_len", [pytest.param(8, marks=pytest.mark.slow), 10])
 def test_shared_prefix_gives_identical_outputs_to_copied_prefix(tiny, prefix_len):
     bs, n_blocks = 4, 24
     model = _paged(tiny, block_size=bs, n_blocks=n_blocks)

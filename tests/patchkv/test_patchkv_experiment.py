@@ -68,7 +68,7 @@ def test_dev_and_test_contexts_come_from_disjoint_text(tmp_path):
     assert halves == {"dev": (0, 500), "test": (500, 1000)}
 
 
-@pytest.mark.slow  # ~40 s; the patch modules' tests stay fast (make test stays < 20 min)
+@pytest.mark.slow  # ~40 s; the patch modules' tests stay fast
 def test_run_context_on_a_tiny_model_records_every_method_and_ablation():
     import jax
     import numpy as np

@@ -13,7 +13,7 @@ from tests.model.gguf_writer import byte_vocab, write_llama_gguf
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # ~35 s: two CLI runs; test_cli_kv_codec_comes_from_the_registry runs the CLI (make test stays < 20 min)
+@pytest.mark.slow  # ~35 s: two CLI runs; test_cli_kv_codec_comes_from_the_registry runs it
 def test_cli_generates_and_is_seeded(tmp_path):
     config = tiny_config(vocab_size=len(byte_vocab()[0]), head_dim=16)
     path = write_llama_gguf(tmp_path / "t.gguf", config, init_params(config, jax.random.key(0)))

@@ -383,7 +383,7 @@ def test_per_row_sampling_matches_the_batch_filters():
     np.testing.assert_array_equal(toks, jnp.argmax(logits, -1))
 
 
-@pytest.mark.slow  # ~30 s; qwix and TaSQ each serve in faster tests (make test stays < 20 min)
+@pytest.mark.slow  # ~30 s; qwix and TaSQ each serve in faster tests
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:qwix.*")  # qwix reads `.value`
 def test_a_qwix_quantized_model_serves_with_its_tasq_cache(model):
     """Composition through public names: qwix int8 PTQ of the projections (through

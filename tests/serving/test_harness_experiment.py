@@ -17,7 +17,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from experiments.serving import harness, harness_experiment  # noqa: E402
 
 
-@pytest.mark.slow  # ~25 s on SmolLM2; test_lm_eval runs the harness against the server (make test stays < 20 min)
+@pytest.mark.slow  # ~25 s on SmolLM2; test_lm_eval runs the harness against the server
 def test_harness_config_and_task_folder(smollm2, tmp_path, monkeypatch):
     _, tok = smollm2
     config = harness.get_config("small")

@@ -41,7 +41,7 @@ def test_greedy_equals_plain_greedy(chaotic, prompts, close_drafter, which, poli
     assert max(st.active_steps) == st.steps
 
 
-@pytest.mark.slow  # ~20 s; greedy equality and stop tokens are checked elsewhere (make test stays < 20 min)
+@pytest.mark.slow  # ~20 s; greedy equality and stop tokens are checked elsewhere
 def test_greedy_with_stop_tokens_and_sliding_window(prompts):
     """Stops inside an accepted run end the row there; ring caches get rollback slack."""
     config_model = chaotic_model(n_layers=2, layer_kinds=("sliding", "global"),

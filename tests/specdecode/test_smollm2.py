@@ -13,7 +13,7 @@ def _ids(tok, texts):
             for t in texts]
 
 
-@pytest.mark.slow  # ~30 s on SmolLM2; test_generate checks greedy equality on the tiny model (make test stays < 20 min)
+@pytest.mark.slow  # ~30 s on SmolLM2; test_generate checks greedy equality on the tiny model
 def test_prompt_lookup_greedy_matches_plain_on_smollm2(smollm2):
     """A batch of a repetitive and a free-form prompt; rows accept different amounts."""
     model, tok = smollm2
