@@ -266,15 +266,29 @@ def claim(name: str, target: str, measured: Any, met: bool | None) -> dict:
 
 
 @functools.lru_cache(maxsize=4)
-def tokenizer_only(gguf_path: str | None = None):
-    """The tokenizer of a GGUF model (the embedded SmolLM2 when empty) without loading its
-    weights: what an experiment's `test_items(config)` needs to list its text windows."""
+def _gguf_header(gguf_path: str | None):
+    """(GGUFReader, path) of a GGUF model (the embedded SmolLM2 when empty): its header is
+    read, its weights are not loaded."""
     import gguf
-    from research.model.gguf_loader import default_gguf_path, read_tokenizer
+    from research.model.gguf_loader import default_gguf_path
     path = Path(gguf_path) if gguf_path else default_gguf_path()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    return read_tokenizer(gguf.GGUFReader(str(path)), path)
+    return gguf.GGUFReader(str(path)), path
+
+
+def tokenizer_only(gguf_path: str | None = None):
+    """The tokenizer of a GGUF model (the embedded SmolLM2 when empty) without loading its
+    weights: what an experiment's `test_items(config)` needs to list its text windows."""
+    from research.model.gguf_loader import read_tokenizer
+    return read_tokenizer(*_gguf_header(gguf_path))
+
+
+def model_config_only(gguf_path: str | None = None):
+    """The model config of a GGUF model (the embedded SmolLM2 when empty) without loading
+    its weights (e.g. its max_position, for sizing test items)."""
+    from research.model.gguf_loader import read_config
+    return read_config(*_gguf_header(gguf_path))
 
 
 # KV codec names that committed results' configs used before every experiment took the

@@ -67,7 +67,7 @@ def run_items(tok, config, max_position: int):
 def test_items(config) -> list:
     """The quality windows and passkey prompts this test run scores (the item ledger)."""
     tok = common.tokenizer_only(config.gguf_path or None)
-    max_position = _max_position(config)
+    max_position = common.model_config_only(config.gguf_path or None).max_position
     doc = f"fresh {config.get('test_text', 'stdlib')} test text"
     items = []
     for length, (wins, starts, trials) in run_items(tok, config, max_position).items():
@@ -77,16 +77,6 @@ def test_items(config) -> list:
                                        f"depth {t.depth:.2f}, seed {config.seed}",
                                        kind="passkey") for t in trials]
     return items
-
-
-def _max_position(config) -> int:
-    """The model's trained length, read from its GGUF header (no weights loaded)."""
-    from pathlib import Path
-
-    import gguf
-    from research.model.gguf_loader import default_gguf_path, read_config
-    path = Path(config.gguf_path) if config.gguf_path else default_gguf_path()
-    return read_config(gguf.GGUFReader(str(path)), path).max_position
 
 
 def run(config, out_dir) -> common.Report:
@@ -104,6 +94,7 @@ def run(config, out_dir) -> common.Report:
     served = {c: kv_codecs.served_model(model, tok, c, seed=config.seed,
                                         calibration_seqs=config.calibration_seqs)
               for c in codecs}
+    bytes_per_token = {c: block_bytes(served[c], 16) / 16 for c in codecs}
     items = run_items(tok, config, model.config.max_position)
     p = config.passkey
     rows, timings, per_trial = [], [], {}
@@ -121,7 +112,7 @@ def run(config, out_dir) -> common.Report:
             pk_s = time.perf_counter() - t0
             d = div[codec]
             row = {"length": length, "codec": codec,
-                   "kv_bytes_per_token": block_bytes(served[codec], 16) / 16, "kl": d.kl,
+                   "kv_bytes_per_token": bytes_per_token[codec], "kl": d.kl,
                    "top1": d.top1, "ppl": d.ppl, "ref_ppl": d.ref_ppl,
                    "passkey_acc": pk.accuracy,
                    "passkey_tokens": int(np.mean([len(t.ids) for t in trials])),

@@ -23,7 +23,8 @@ with `local-completions` against servax's OpenAI server.
 
 `passkey_accuracy` decodes greedily (`research.decode.generate`: the prompt prefilled in
 pieces, so 8k tokens fit) and reads the answer as the first number before the first
-newline (ANSWER_STOP), the way the lm-eval task reads the server's completion, cut at the same stop string.
+newline (ANSWER_STOP), the way the lm-eval task reads the server's completion, cut at
+the same stop string.
 """
 from __future__ import annotations
 
@@ -86,13 +87,12 @@ def passkey_trials(tokenizer, length: int, n_trials: int, seed: int, filler: str
     out = []
     for depth in depths:
         offset = int(rng.choice(starts))
-        key = str(int(rng.integers(10_000, 100_000)))
-        trial = _fit(tokenizer, filler_ids, word_start, offset, key, float(depth), length,
-                     length - empty, template)
-        while trial.prompt.count(key) != 2:  # the filler happens to hold the key: redraw
+        while True:  # a key the filler happens to hold is drawn again
             key = str(int(rng.integers(10_000, 100_000)))
             trial = _fit(tokenizer, filler_ids, word_start, offset, key, float(depth),
                          length, length - empty, template)
+            if trial.prompt.count(key) == 2:
+                break
         out.append(trial)
     return out
 
