@@ -8,8 +8,10 @@ pydoc *dev* half (no test text: the dev half holds ~6.7k tokens, so one 4,096-to
 by default; the last `--scored` tokens scored given the rest). Rows: bf16, int8, fp8, TaSQ
 1-bit pre-RoPE (the default), TaSQ 1-bit post-RoPE with codebooks fitted at the calibration
 text's positions (0-255) and over the served range (TaSQConfig.calibration_positions),
-and TaSQ 1-bit pre-RoPE through the rotated table (pair-aligned groups). Calibration: the
-calibration half, 4 x 256 tokens. Prints one line per codec and a JSON object.
+TaSQ 1-bit pre-RoPE through the rotated table (pair-aligned groups), and low-bit codecs
+with a bfloat16 sink + recent window (research/kv/windowed.py; issue 44 item 3: the
+window's size is chosen here, on dev). `--rows` picks rows by number (0-based). Calibration:
+the calibration half, 4 x 256 tokens. Prints one line per codec and a JSON object.
 """
 import argparse
 import json
@@ -19,16 +21,23 @@ import numpy as np
 
 from research import data
 from research.eval.perplexity import continuation_perplexity
+from research.kv.windowed import kv_window
 from research.model import load
 from research.serving import kv_codecs
 from research.transforms import CalibrationData
 
-ROWS = [("bf16", "bf16", None), ("int8", "int8", None), ("fp8", "fp8", None),
-        ("tasq-1bit (pre-RoPE)", "tasq-1bit", None),
-        ("tasq-1bit-post, text positions", "tasq-1bit-post", {"calibration_positions": "text"}),
+# (label, registered codec, factory options, full-precision window (sink, recent) or None)
+ROWS = [("bf16", "bf16", None, None), ("int8", "int8", None, None), ("fp8", "fp8", None, None),
+        ("tasq-1bit (pre-RoPE)", "tasq-1bit", None, None),
+        ("tasq-1bit-post, text positions", "tasq-1bit-post", {"calibration_positions": "text"},
+         None),
         ("tasq-1bit-post, served positions", "tasq-1bit-post",
-         {"calibration_positions": "served"}),
-        ("tasq-1bit-rot (rotated table)", "tasq-1bit-rot", None)]
+         {"calibration_positions": "served"}, None),
+        ("tasq-1bit-rot (rotated table)", "tasq-1bit-rot", None, None),
+        ("tasq-1bit + sink 4 + w32", "tasq-1bit", None, (4, 32)),
+        ("tasq-1bit + sink 4 + w128", "tasq-1bit", None, (4, 128)),
+        ("tasq-2bit + sink 4 + w128", "tasq-2bit", None, (4, 128)),
+        ("int4 + sink 4 + w128", "int4", None, (4, 128))]
 
 
 def main():
@@ -36,6 +45,7 @@ def main():
     parser.add_argument("--length", type=int, default=4096, help="tokens per window")
     parser.add_argument("--scored", type=int, default=1024, help="scored tail per window")
     parser.add_argument("--windows", type=int, default=1)
+    parser.add_argument("--rows", default="", help="comma-separated row numbers (all: empty)")
     args = parser.parse_args()
     model, tok = load(None)
     ids = np.asarray(tok.encode(data.corpus_text("dev")), np.int32)
@@ -45,10 +55,13 @@ def main():
     windows = ids[:need].reshape(args.windows, args.length)
     calib = CalibrationData.from_corpus(tok, 256, 4)
     out = {}
-    for label, codec, options in ROWS:
+    rows = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
+    for label, codec, options, window in rows:
         start = time.perf_counter()
         calibration = calib if kv_codecs.get(codec).calibrated else None
         m = kv_codecs.codec_model(model, codec, calibration=calibration, options=options)
+        if window is not None:
+            m = kv_window(*window).apply(m, ())
         ppl = continuation_perplexity(m, windows, args.length - args.scored, batch_size=1,
                                       chunk=512).ppl
         out[label] = round(float(ppl), 3)

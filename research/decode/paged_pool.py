@@ -19,6 +19,7 @@ import numpy as np
 from research.kv import paged
 from research.kv.block_allocator import BlockManager, OutOfBlocksError
 from research.kv.prefix_cache import PrefixCache
+from research.kv.windowed import is_windowed
 from research.model.llama import Model
 
 
@@ -67,6 +68,12 @@ class PagedPool:
         self.max_len = max_len
         self.manager = BlockManager(n_blocks, block_size, self.max_blocks)
         states = self.model.init_cache(1, max_len)
+        for i, cache in enumerate(self.model.caches):
+            if is_windowed(cache.codec):  # its bf16 copy would fill the pool: not a saving
+                raise TypeError(f"a paged pool cannot serve layer {i}'s {cache.describe()}: "
+                                "the full-precision window's reference implementation keeps "
+                                "a bfloat16 copy of every token (research/kv/windowed.py); "
+                                "serve the codec without the window")
         for i, (cache, s) in enumerate(zip(self.model.caches, states)):
             if paged.has_seq_state(s):  # rows are re-bound to sequences every pass here
                 raise TypeError(f"a paged pool cannot serve layer {i}'s {cache.describe()}: "

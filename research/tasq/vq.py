@@ -25,7 +25,8 @@ from jaxtyping import Array, Float, Int, UInt8
 from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.vq_attention.api import (validate_codes_and_codebooks, vq_decode_attention,
                                              vq_decode_attention_paged_codes)
-from kernels_pallas.vq_attention.reference import vq_attention_blockwise, vq_attention_reference
+from kernels_pallas.vq_attention.reference import (dequantize, vq_attention_blockwise,
+                                                   vq_attention_reference)
 from research.kv.codec import KVCodec
 from flax import struct
 
@@ -227,6 +228,14 @@ class VQCodec(KVCodec):
             out = attn(qp, k_codes, v_codes, self.key_codebook, self.value_codebook,
                        view.mask())
         return permute_channels(out, inverse_permutation(self.value_perm)).astype(q.dtype)
+
+    def decode(self, records, positions):
+        """Dense post-RoPE K and V rebuilt from the codes (a full-precision window's mixed
+        read, research/kv/windowed.py; the reads above score codes without it)."""
+        k = dequantize(records["k_codes"], self.key_codebook)
+        v = dequantize(records["v_codes"], self.value_codebook)
+        return (permute_channels(k, inverse_permutation(self.key_perm)),
+                permute_channels(v, inverse_permutation(self.value_perm)))
 
     def page_reader(self, window, read):
         """Decode steps on code pages: the paged VQ kernel reads each live page through the

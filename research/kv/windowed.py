@@ -1,0 +1,126 @@
+"""Full-precision sink and recent tokens over any low-bit codec (KIVI / CQ / StreamingLLM's
+observation: the first few tokens and the last ~32-128 carry most of the attention mass,
+so keeping them exact buys most of a low-bit cache's lost quality back).
+
+`WindowedCodec(inner, sink=S, recent=W)` stores every token twice: the inner codec's
+records and a bfloat16 copy ("k_hi", "v_hi"). A query at position q reads token p from the
+bfloat16 copy when p < S or p > q - W (its own last W tokens, itself included), and from
+the inner codec's records otherwise. So a sequence shorter than S + W is read exactly as
+the bfloat16 codec reads it, and a token beyond both is read exactly as the inner codec
+reads it (rebuilt K/V: `inner.decode`); the choice is per query, so a prefill chunk scores
+every position as decode would reach it, whatever the chunking.
+
+Bytes: this is the read's reference implementation; it keeps the bfloat16 copy of *every*
+token (all layouts store all of a codec's records), so its arrays are larger than bf16's.
+A bounded window (bfloat16 pages only for the sink and the last W tokens of each sequence,
+freed as the window moves) needs the paged engine to manage a second pool; until it does,
+the paged pool refuses windowed codecs (`HI_RECORDS` names what it would have to keep).
+`kv_window(S, W)` wraps whatever codec each layer has (a transform applied after it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
+from research.kv.codec import KVCodec, KVView
+from research.transforms import Transform, stateless
+
+HI_RECORDS = ("k_hi", "v_hi")  # the full-precision copy, beside the inner codec's records
+
+
+@struct.dataclass
+class WindowedCodec(KVCodec):
+    """`inner`'s records plus a bfloat16 copy read for the first `sink` tokens and each
+    query's last `recent` tokens (module docstring)."""
+
+    inner: KVCodec
+    sink: int = struct.field(pytree_node=False, default=4)
+    recent: int = struct.field(pytree_node=False, default=128)
+
+    def __post_init__(self):
+        if not isinstance(self.inner, KVCodec):
+            raise TypeError(f"inner must be a KVCodec, got {type(self.inner).__name__}")
+        if isinstance(self.inner, WindowedCodec):
+            raise ValueError(f"{self.inner.describe()} already has a full-precision window")
+        if (type(self.inner).write is not KVCodec.write
+                or type(self.inner).init_seq_state is not KVCodec.init_seq_state):
+            raise ValueError(f"{self.inner.describe()} writes groups of tokens or keeps "
+                             "per-sequence state (KIVI's ring); a window over it is not "
+                             "supported")
+        check_window(self.sink, self.recent)
+
+    @property
+    def align(self):
+        return self.inner.align
+
+    def record_spec(self, n_kv_heads, head_dim):
+        hi = jax.ShapeDtypeStruct((n_kv_heads, head_dim), jnp.dtype(jnp.bfloat16))
+        return {**self.inner.record_spec(n_kv_heads, head_dim),
+                **{name: hi for name in HI_RECORDS}}
+
+    def encode(self, k, v, positions):
+        return {**self.inner.encode(k, v, positions),
+                "k_hi": k.astype(jnp.bfloat16), "v_hi": v.astype(jnp.bfloat16)}
+
+    def check_finite(self, k, v):
+        return self.inner.check_finite(k, v)
+
+    def decode(self, records, positions):
+        return self.inner.decode(self._inner_records(records), positions)
+
+    def attend(self, q, view: KVView):
+        k_lo, v_lo = self.inner.decode(self._inner_records(view.records), view.kv_pos)
+        k_hi, v_hi = view.records["k_hi"], view.records["v_hi"]
+        mask = attention_mask(view.q_pos, view.kv_pos, view.kv_valid, view.window)
+        qp, kp = view.q_pos[:, :, None], view.kv_pos[:, None, :]
+        hi = (kp < self.sink) | (kp > qp - self.recent)  # [B, T, S]
+        hi, mask = hi[:, None, None], mask[:, None, None]  # [B, 1, 1, T, S]
+        scores = jnp.where(hi, gqa_scores(q, k_hi), gqa_scores(q, k_lo))
+        w = masked_softmax_weights(scores, mask)
+        out = (jnp.einsum("bkgts,bskd->btkgd", jnp.where(hi, w, 0.0), v_hi.astype(jnp.float32))
+               + jnp.einsum("bkgts,bskd->btkgd", jnp.where(hi, 0.0, w),
+                            v_lo.astype(jnp.float32)))
+        b, t, hq, d = q.shape
+        return out.reshape(b, t, hq, d).astype(q.dtype)
+
+    def describe(self):
+        return f"{self.inner.describe()}+sink{self.sink}+w{self.recent}(bf16)"
+
+    @staticmethod
+    def _inner_records(records):
+        return {name: x for name, x in records.items() if name not in HI_RECORDS}
+
+
+def check_window(sink, recent) -> None:
+    for name, value in (("sink", sink), ("recent", recent)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def is_windowed(codec: KVCodec) -> bool:
+    return isinstance(codec, WindowedCodec)
+
+
+def kv_window(sink: int = 4, recent: int = 128) -> Transform:
+    """Transform: every layer's codec (whatever a transform installed before) keeps a
+    bfloat16 copy read for the first `sink` and each query's last `recent` tokens."""
+    from research.kv.layouts import LAYOUTS  # layouts imports the layouts; this stays a leaf
+    check_window(sink, recent)
+
+    def apply(model, state):
+        del state
+        caches = []
+        for i, cache in enumerate(model.caches):
+            if not isinstance(cache, LAYOUTS):
+                raise TypeError(f"kv_window would discard layer {i}'s {cache.describe()} "
+                                "cache: a window wraps codecs in dense, window or paged "
+                                "layouts only")
+            caches.append(dataclasses.replace(cache,
+                                              codec=WindowedCodec(cache.codec, sink, recent)))
+        return model.replace(caches=tuple(caches), tags=model.tags + (f"w{recent}",))
+
+    return stateless(apply, f"kv_window(sink={sink}, recent={recent})")

@@ -1,0 +1,136 @@
+"""A full-precision sink + recent window over a low-bit codec (research/kv/windowed.py): exact
+bf16 below S + W, the inner codec beyond it, the per-query choice independent of chunking,
+the same in every layout, and refusals that name what is wrong."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research.core.attention import attend
+from research.decode.paged_pool import PagedPool
+from research.kv.codec import FloatCodec
+from research.kv.dense import DenseKVCache
+from research.kv.paged import PagedKVCache
+from research.kv.quantized import Int8Codec, int8_kv
+from research.kv.window import WindowKVCache
+from research.kv.windowed import WindowedCodec, kv_window
+from research.model import forward
+from research.model.precision import kv_cache_dtype
+from research.tasq.kivi import KIVICodec
+from research.tasq.vq import VQCodec
+from research.transforms import calibrate_and_apply
+
+B, HQ, HKV, D = 2, 4, 2, 8
+
+
+def _qkv(seed, t):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (B, t, HQ, D)), jax.random.normal(ks[1], (B, t, HKV, D)),
+            jax.random.normal(ks[2], (B, t, HKV, D)))
+
+
+def _run(cache, q, k, v, chunks, window=None):
+    """Outputs [B, T, Hq, D] of writing and attending the tokens in `chunks` pieces."""
+    state = cache.init(B, q.shape[1], HKV, D)
+    outs, start = [], 0
+    for n in chunks:
+        sl = slice(start, start + n)
+        out, state = cache.update_and_attend(
+            state, q[:, sl], k[:, sl], v[:, sl], start=jnp.full((B,), start, jnp.int32),
+            n_new=jnp.full((B,), n, jnp.int32), window=window)
+        outs.append(out)
+        start += n
+    return jnp.concatenate(outs, axis=1)
+
+
+def _reference(inner, sink, recent, q, k, v):
+    """Each query t attends over bf16 K/V at p < sink or p > t - recent, inner-decoded
+    K/V elsewhere (its own rebuilt keys)."""
+    t = q.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(t)[None], (B, t))
+    k_lo, v_lo = inner.decode(inner.encode(k, v, pos), pos)
+    outs = []
+    for i in range(t):
+        hi = ((jnp.arange(t) < sink) | (jnp.arange(t) > i - recent))[None, :, None, None]
+        km = jnp.where(hi, k.astype(jnp.bfloat16).astype(jnp.float32), k_lo)
+        vm = jnp.where(hi, v.astype(jnp.bfloat16).astype(jnp.float32), v_lo)
+        outs.append(attend(q[:, i:i + 1], km, vm, pos[:, i:i + 1], pos,
+                           jnp.ones((B, t), bool)))
+    return jnp.concatenate(outs, axis=1)
+
+
+def _vq():
+    rng = np.random.default_rng(3)
+    books = lambda: rng.normal(size=(HKV, D // 2, 16, 2)).astype(np.float32)  # noqa: E731
+    perm = lambda: np.stack([rng.permutation(D) for _ in range(HKV)])  # noqa: E731
+    return VQCodec.create(books(), books(), perm(), perm())
+
+
+@pytest.mark.parametrize("inner", [Int8Codec(), _vq()], ids=["int8", "vq"])
+def test_the_window_reads_bf16_inside_and_the_codec_beyond(inner):
+    q, k, v = _qkv(0, 24)
+    windowed = WindowedCodec(inner, sink=2, recent=5)
+    ref = _reference(inner, 2, 5, q, k, v)
+    for cache in (DenseKVCache(windowed), PagedKVCache(windowed, block_size=4)):
+        for chunks in ((24,), (7, 1, 1, 9, 6), (1,) * 24):  # any chunking: the same reads
+            got = _run(cache, q, k, v, chunks)
+            np.testing.assert_allclose(got, ref, atol=2e-5, err_msg=f"{cache.describe()} "
+                                       f"chunks {chunks}")
+
+
+def test_shorter_than_sink_plus_window_is_exactly_bf16():
+    q, k, v = _qkv(1, 12)
+    bf16 = _run(DenseKVCache(FloatCodec("bfloat16")), q, k, v, (8, 1, 1, 1, 1))
+    for cache in (DenseKVCache(WindowedCodec(Int8Codec(), 4, 8)),
+                  PagedKVCache(WindowedCodec(_vq(), 4, 8), block_size=4)):
+        got = _run(cache, q, k, v, (8, 1, 1, 1, 1))
+        assert np.array_equal(np.asarray(got), np.asarray(bf16)), cache.describe()
+    # one token more and the earliest non-sink token is read from codes
+    q, k, v = _qkv(1, 13)
+    bf16 = _run(DenseKVCache(FloatCodec("bfloat16")), q, k, v, (13,))
+    got = _run(DenseKVCache(WindowedCodec(Int8Codec(), 4, 8)), q, k, v, (13,))
+    assert np.array_equal(np.asarray(got[:, :12]), np.asarray(bf16[:, :12]))
+    assert not np.array_equal(np.asarray(got[:, 12]), np.asarray(bf16[:, 12]))
+
+
+def test_no_window_is_the_inner_codec():
+    q, k, v = _qkv(2, 16)
+    for inner in (Int8Codec(), _vq()):
+        plain = _run(DenseKVCache(inner), q, k, v, (16,))
+        got = _run(DenseKVCache(WindowedCodec(inner, 0, 0)), q, k, v, (16,))
+        np.testing.assert_allclose(got, plain, atol=2e-5, err_msg=inner.describe())
+
+
+def test_the_ring_layout_reads_the_same_window():
+    q, k, v = _qkv(3, 20)
+    windowed = WindowedCodec(Int8Codec(), sink=0, recent=4)
+    ring = _run(WindowKVCache(window=8, codec=windowed), q, k, v, (5, 5, 5, 5), window=8)
+    dense = _run(DenseKVCache(windowed), q, k, v, (20,), window=8)
+    np.testing.assert_allclose(ring, dense, atol=2e-5)
+
+
+def test_the_model_with_a_window_matches_bf16_on_a_short_prompt(tiny):
+    tokens = jnp.arange(10, dtype=jnp.int32)[None] % tiny.config.vocab_size
+    bf16, _ = calibrate_and_apply(kv_cache_dtype("bfloat16"), tiny, None)
+    windowed, _ = calibrate_and_apply(int8_kv(), tiny, None)
+    windowed, _ = calibrate_and_apply(kv_window(sink=2, recent=8), windowed, None)
+    assert all(c.codec.describe().endswith("+sink2+w8(bf16)") for c in windowed.caches)
+
+    def logits(m):
+        states = m.init_cache(1, 16)
+        return np.asarray(forward(m, tokens, cache_states=states).logits)
+    assert np.array_equal(logits(windowed), logits(bf16))
+
+
+def test_refusals_name_the_problem(tiny):
+    with pytest.raises(ValueError, match="recent must be an int >= 0"):
+        kv_window(sink=4, recent=-1)
+    with pytest.raises(ValueError, match="sink must be an int >= 0"):
+        WindowedCodec(Int8Codec(), sink=True)
+    with pytest.raises(ValueError, match="already has a full-precision window"):
+        WindowedCodec(WindowedCodec(Int8Codec()))
+    with pytest.raises(ValueError, match="per-sequence state"):
+        WindowedCodec(KIVICodec(bits=2, key_group=2, value_group=4, residual=2, rollback=4))
+    windowed, _ = calibrate_and_apply(kv_window(), tiny, None)
+    with pytest.raises(TypeError, match="bfloat16 copy of every token"):
+        PagedPool(windowed, n_blocks=8, block_size=4, max_len=16)
