@@ -21,7 +21,7 @@ import numpy as np
 
 from research import data
 from research.eval.perplexity import continuation_perplexity
-from research.kv.windowed import kv_window
+from research.kv.layouts import kv_window
 from research.model import load
 from research.serving import kv_codecs
 from research.transforms import CalibrationData
@@ -37,7 +37,9 @@ ROWS = [("bf16", "bf16", None, None), ("int8", "int8", None, None), ("fp8", "fp8
         ("tasq-1bit + sink 4 + w32", "tasq-1bit", None, (4, 32)),
         ("tasq-1bit + sink 4 + w128", "tasq-1bit", None, (4, 128)),
         ("tasq-2bit + sink 4 + w128", "tasq-2bit", None, (4, 128)),
-        ("int4 + sink 4 + w128", "int4", None, (4, 128))]
+        ("int4 + sink 4 + w128", "int4", None, (4, 128)),
+        ("tasq-1bit-post, served positions + sink 4 + w128", "tasq-1bit-post",
+         {"calibration_positions": "served"}, (4, 128))]
 
 
 def main():

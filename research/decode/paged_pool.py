@@ -19,6 +19,7 @@ import numpy as np
 from research.kv import paged
 from research.kv.block_allocator import BlockManager, OutOfBlocksError
 from research.kv.prefix_cache import PrefixCache
+from research.kv.window_pages import WindowPages
 from research.kv.windowed import is_windowed
 from research.model.llama import Model
 
@@ -26,6 +27,17 @@ from research.model.llama import Model
 def pow2(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def codec_window(model: Model) -> tuple[int, int] | None:
+    """(sink, recent) of a model whose every layer has a windowed codec, None when none
+    has; a ValueError for a mix (one window pool serves every layer)."""
+    windows = {(c.codec.sink, c.codec.recent) if is_windowed(getattr(c, "codec", None))
+               else None for c in model.caches}
+    if len(windows) > 1:
+        raise ValueError(f"every layer must have the same full-precision window (or none), "
+                         f"got {sorted(map(str, windows))}")
+    return windows.pop()
 
 
 class PagedPool:
@@ -47,13 +59,19 @@ class PagedPool:
 
     def __init__(self, model: Model, *, n_blocks: int, block_size: int = 16,
                  max_len: int = 512, implementation: str = "auto", interpret: bool = False,
-                 prefix_cache: bool = False, mesh=None, rules=None):
+                 prefix_cache: bool = False, mesh=None, rules=None, window_blocks: int = 0):
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         if max_len > model.config.max_position:
             raise ValueError(f"max_len={max_len} exceeds the model's max_position="
                              f"{model.config.max_position}")
-        transform = paged.paged_kv_cache(block_size, n_blocks, implementation, interpret)
+        self.window = codec_window(model)
+        if self.window is not None and window_blocks < 1:
+            raise TypeError(f"a paged pool serves {model.caches[0].codec.describe()} only "
+                            "with window pages for its bfloat16 sink and recent tokens: "
+                            "pass window_blocks >= 1 (the serving engine sizes them)")
+        transform = paged.paged_kv_cache(block_size, n_blocks, implementation, interpret,
+                                         window_blocks=window_blocks if self.window else 0)
         self.model = transform.apply(model, transform.calibrate(model, None))
         self.mesh = mesh
         if mesh is not None:
@@ -68,12 +86,6 @@ class PagedPool:
         self.max_len = max_len
         self.manager = BlockManager(n_blocks, block_size, self.max_blocks)
         states = self.model.init_cache(1, max_len)
-        for i, cache in enumerate(self.model.caches):
-            if is_windowed(cache.codec):  # its bf16 copy would fill the pool: not a saving
-                raise TypeError(f"a paged pool cannot serve layer {i}'s {cache.describe()}: "
-                                "the full-precision window's reference implementation keeps "
-                                "a bfloat16 copy of every token (research/kv/windowed.py); "
-                                "serve the codec without the window")
         for i, (cache, s) in enumerate(zip(self.model.caches, states)):
             if paged.has_seq_state(s):  # rows are re-bound to sequences every pass here
                 raise TypeError(f"a paged pool cannot serve layer {i}'s {cache.describe()}: "
@@ -81,7 +93,13 @@ class PagedPool:
                                 "(a full-precision ring), and engines re-bind rows "
                                 "to sequences every pass")
         self.pools = tuple(paged.pools_of(s) for s in states)
-        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(self.pools)) // n_blocks
+        codes = [paged.split_window_records(p)[0] for p in self.pools]
+        windows = [paged.split_window_records(p)[1] for p in self.pools]
+        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(codes)) // n_blocks
+        # a windowed codec's bf16 window pages: their own pool and host bookkeeping
+        self.window_pages = (WindowPages(self.manager, window_blocks, sink=self.window[0],
+                                         recent=self.window[1]) if self.window else None)
+        self.window_bytes = sum(x.nbytes for x in jax.tree.leaves(windows))
         self.prefix_cache = (PrefixCache(self.manager.allocator, block_size)
                              if prefix_cache else None)
         self.block_copies = 0  # copy-on-write / no-sharing copies executed on device
@@ -122,23 +140,49 @@ class PagedPool:
         self.copy(self.manager.reserve(requests))
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
-        """Execute (src, dst) block copies on every paged layer (shapes bucketed)."""
+        """Execute (src, dst) block copies on every paged layer (shapes bucketed), with
+        the window pages of copied blocks that have one."""
         if not copies:
             return
+        window_copies = self.window_pages.copy(copies) if self.window_pages else []
+        self._copy_pages(copies, codes=True)
+        if window_copies:
+            self._copy_pages(window_copies, codes=False)
+        self.block_copies += len(copies)
+
+    def _copy_pages(self, copies, codes: bool) -> None:
+        """pool[dst] = pool[src] for the code pools (`codes`) or the window pools."""
         n = pow2(len(copies), minimum=8)
         src = np.zeros((n,), np.int32)
         dst = np.full((n,), -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.pools = paged.copy_pool_blocks(self.pools, src, dst)
-        self.block_copies += len(copies)
+        part = 0 if codes else 1
+        moved = paged.copy_pool_blocks(
+            tuple(paged.split_window_records(p)[part] for p in self.pools), src, dst)
+        self.pools = tuple({**p, **m} for p, m in zip(self.pools, moved))
+
+    def pass_tables(self, table: np.ndarray, start, n_new) -> dict:
+        """The tables a forward pass installs: the block table, and for a windowed codec
+        the window table of the rows' full-precision pages (research/kv/window_pages.py)."""
+        tables = {paged.TABLE: table}
+        if self.window_pages is not None:
+            tables[paged.WINDOW_TABLE] = self.window_pages.pass_table(
+                table, np.asarray(start), np.asarray(n_new))
+        return tables
+
+    def usable_prefix(self, blocks, n_cached: int) -> int:
+        """How much of a prefix-cache hit of `n_cached` tokens a sequence can adopt: all
+        of it, or for a windowed codec as far as its window pages still exist."""
+        if self.window_pages is None:
+            return n_cached
+        return self.window_pages.usable_prefix(blocks, n_cached)
 
     def warm_copies(self, max_copies: int) -> None:
         """Compile the copy kernel for every bucket up to `max_copies` (no-op copies)."""
         n = 8
         while True:
-            src = np.zeros((n,), np.int32)
-            dst = np.full((n,), -1, np.int32)
-            self.pools = paged.copy_pool_blocks(self.pools, src, dst)
+            for codes in (True, False) if self.window_pages else (True,):
+                self._copy_pages([(0, -1)] * n, codes)
             if n >= max_copies:
                 break
             n *= 2

@@ -40,6 +40,9 @@ class BlockAllocator:
         # Pop from the end: lowest ids first, so small workloads use a compact range.
         self._free = list(range(n_blocks - 1, -1, -1))
         self.peak_used = 0
+        # called with a block id when it returns to the free list (a paged pool frees
+        # what it keeps per block beside the pages: a windowed codec's window page)
+        self.on_free = None
 
     @property
     def n_free(self) -> int:
@@ -75,6 +78,8 @@ class BlockAllocator:
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
             self._free.append(block)
+            if self.on_free is not None:
+                self.on_free(block)
             return True
         return False
 

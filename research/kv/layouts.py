@@ -4,7 +4,9 @@ A codec transform (int8, TaSQ, CQ, sign-bit, bf16 storage) changes *how* K/V are
 and nothing else, so a model whose layers are dense, window rings or pages keeps them.
 Replacing is only allowed over the raw float32 default: a codec another transform
 installed, or a cache that is not a codec in a layout (an eviction press), is never
-silently discarded; the transform refuses and names both.
+silently discarded; the transform refuses and names both. `kv_window` is the exception
+that proves it: it wraps the installed codec (a bfloat16 sink + recent window over it,
+research/kv/windowed.py) instead of replacing it.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from research.kv.codec import FloatCodec, KVCodec
 from research.kv.dense import DenseKVCache
 from research.kv.paged import PagedKVCache
 from research.kv.window import WindowKVCache
+from research.kv.windowed import WindowedCodec, check_window
+from research.transforms import Transform, stateless
 
 if TYPE_CHECKING:  # type-only: research.model depends on research.kv, not the reverse
     from research.model.llama import Model
@@ -50,3 +54,23 @@ def replace_codecs(model: "Model", make_codec: Callable[[int], KVCodec], who: st
     caches = tuple(with_codec(cache, make_codec(i), who, i, replace_any_float)
                    for i, cache in enumerate(model.caches))
     return model.replace(caches=caches, tags=model.tags + (tag,))
+
+
+def kv_window(sink: int = 4, recent: int = 128) -> Transform:
+    """Transform: every layer's codec (whatever a transform installed before) keeps a
+    bfloat16 copy read for the first `sink` and each query's last `recent` tokens."""
+    check_window(sink, recent)
+
+    def apply(model, state):
+        del state
+        caches = []
+        for i, cache in enumerate(model.caches):
+            if not isinstance(cache, LAYOUTS):
+                raise TypeError(f"kv_window would discard layer {i}'s {cache.describe()} "
+                                "cache: a window wraps codecs in dense, window or paged "
+                                "layouts only")
+            caches.append(dataclasses.replace(cache,
+                                              codec=WindowedCodec(cache.codec, sink, recent)))
+        return model.replace(caches=tuple(caches), tags=model.tags + (f"w{recent}",))
+
+    return stateless(apply, f"kv_window(sink={sink}, recent={recent})")

@@ -26,6 +26,16 @@ A codec with per-sequence state (KIVI's full-precision residual ring) keeps it p
 under "seq", beside the pages: its codes live in pages like any codec's, but the rows must
 then stay bound to their sequences (a fork copies the row: `copy_seq_rows`). The
 PagedEngine, which re-binds rows every pass, refuses such codecs by name.
+
+A windowed codec (research/kv/windowed.py: bfloat16 sink + recent tokens over a low-bit
+codec) keeps its codes in the pool like any codec and its bfloat16 copies ("k_hi", "v_hi")
+in a second pool of `window_blocks` blocks, mapped per row by "window_table": block j of a
+row's table has a window page only while the row may read it in full precision (its first
+S tokens, its last W). The host (`research.decode.paged_pool.PagedPool`) decides which; a
+chunk's own tokens are read from the chunk itself, so only the tokens written before it
+and still inside the window need a window page. Without a window pool
+(`window_blocks=0`, `generate` and hand-managed tables) every block's pages hold its
+copies too, so block tables, forks and block copies need nothing more.
 """
 from __future__ import annotations
 
@@ -45,8 +55,12 @@ from research.kv.codec import (SEQ, FloatCodec, KVCodec, KVView, PageRead,
                                decode_through_reader)
 from research.kv.dense import DenseKVCache, either_bad
 from research.kv.window import WindowKVCache
+from research.kv.windowed import HI_RECORDS, is_windowed
 
 TABLE = "block_table"
+# a windowed codec's bfloat16 copies (research/kv/windowed.py) live in their own smaller
+# pool of `window_blocks` blocks, read through this second table (-1: no window page)
+WINDOW_TABLE = "window_table"
 
 
 @struct.dataclass
@@ -70,9 +84,14 @@ class PagedKVCache(KVCache):
     implementation: str = struct.field(pytree_node=False, default="auto")
     backend: str | None = struct.field(pytree_node=False, default=None)
     interpret: bool = struct.field(pytree_node=False, default=False)
+    # a windowed codec's window pool, read through "window_table" (0: none; each block's
+    # bf16 copies then sit in its own pages, and the block table maps them)
+    window_blocks: int = struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         check_codec(self.codec)
+        if self.window_blocks < 0:
+            raise ValueError(f"window_blocks must be >= 0, got {self.window_blocks}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.n_blocks < 0:
@@ -94,9 +113,16 @@ class PagedKVCache(KVCache):
     def init(self, batch, max_len, n_kv_heads, head_dim):
         m = self.blocks_per_seq(max_len)
         n_blocks = self.n_blocks or batch * m
-        pages = self.codec.empty((n_blocks, self.block_size), n_kv_heads, head_dim)
-        state = {**{name: as_stored(x) for name, x in pages.items()},
-                 TABLE: default_block_table(batch, m, n_blocks)}
+        spec = self.codec.record_spec(n_kv_heads, head_dim)
+        state = {}
+        if is_windowed(self.codec) and self.window_blocks:  # bf16 copies in their own pool
+            codes, copies = split_window_records(spec)
+            state.update(empty_pages(codes, n_blocks, self.block_size))
+            state.update(empty_pages(copies, self.window_blocks, self.block_size))
+            state[WINDOW_TABLE] = default_block_table(batch, m, self.window_blocks)
+        else:
+            state.update(empty_pages(spec, n_blocks, self.block_size))
+        state[TABLE] = default_block_table(batch, m, n_blocks)
         seq = self.codec.init_seq_state(batch, n_kv_heads, head_dim)
         return state if seq is None else {**state, SEQ: seq}
 
@@ -111,11 +137,27 @@ class PagedKVCache(KVCache):
                              state.get(SEQ))
         dtypes = {name: spec.dtype
                   for name, spec in self.codec.record_spec(k.shape[2], k.shape[3]).items()}
-        pools = write_records(pools_of(state), table, w.records, w.positions, w.valid, dtypes)
+        windowed = is_windowed(self.codec)
+        pools = pools_of(state)
+        # without a window pool, a block's bf16 copies sit in the block's own pages
+        window_table = state[WINDOW_TABLE] if windowed and self.window_blocks else table
+        if windowed:  # codes through the block table, bf16 copies through the window table
+            lo, hi = split_window_records(pools)
+            lo = write_records(lo, table, split_window_records(w.records)[0], w.positions,
+                               w.valid, dtypes)
+            hi = write_records(hi, window_table, split_window_records(w.records)[1],
+                               w.positions, w.valid, dtypes)
+            pools = {**lo, **hi}
+        else:
+            pools = write_records(pools, table, w.records, w.positions, w.valid, dtypes)
         lengths = start + n_new
 
         def gathered(q, pools, table, lengths):
-            view = gather_view(pools, table, q_pos, lengths, window, dtypes)
+            if windowed:
+                view = gather_window_view(pools, table, window_table, q_pos, lengths,
+                                          window, dtypes, w)
+            else:
+                view = gather_view(pools, table, q_pos, lengths, window, dtypes)
             return self.codec.attend(q, view._replace(extra=w.extra))
 
         reader = (self.codec.page_reader(window, PageRead(self.implementation, self.backend,
@@ -133,6 +175,8 @@ class PagedKVCache(KVCache):
             out = gathered(q, pools, table, lengths)
         out = poison_rows(out, either_bad(self.codec.check_finite(k, v), w.bad_rows))
         new = {**pools, TABLE: table}
+        if WINDOW_TABLE in state:
+            new[WINDOW_TABLE] = state[WINDOW_TABLE]
         if w.seq_state is not None:
             new[SEQ] = w.seq_state
         return out.astype(q.dtype), new
@@ -146,8 +190,38 @@ class PagedKVCache(KVCache):
 
 
 def pools_of(state: dict) -> dict:
-    """The record pools of a paged layer state (no block table, no per-row state)."""
-    return {name: x for name, x in state.items() if name not in (TABLE, SEQ)}
+    """The record pools of a paged layer state (no block tables, no per-row state)."""
+    return {name: x for name, x in state.items() if name not in (TABLE, WINDOW_TABLE, SEQ)}
+
+
+def empty_pages(spec: dict, n_blocks: int, block_size: int) -> dict:
+    """Zero pages [n_blocks, block_size, *record] of each record of `spec`, as stored."""
+    return {name: as_stored(jnp.zeros((n_blocks, block_size) + r.shape, r.dtype))
+            for name, r in spec.items()}
+
+
+def split_window_records(records: dict) -> tuple[dict, dict]:
+    """(codes, bfloat16 window copies) of a windowed codec's records or pools."""
+    return ({n: x for n, x in records.items() if n not in HI_RECORDS},
+            {n: x for n, x in records.items() if n in HI_RECORDS})
+
+
+def gather_window_view(pools: dict, table, window_table, q_pos, lengths, window, dtypes,
+                       written) -> KVView:
+    """A windowed codec's view: codes through the block table, bfloat16 copies through the
+    window table (unmapped pages read as zeros: the host maps every one a query reads in
+    full precision), with the chunk's own copies laid over their positions."""
+    lo, hi = split_window_records(pools)
+    view = gather_view(lo, table, q_pos, lengths, window, dtypes)
+    hi_view = gather_view(hi, window_table, q_pos, lengths, window, dtypes).records
+    b, n_slots = window_table.shape[0], window_table.shape[1] * next(
+        iter(hi.values())).shape[1]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], written.positions.shape)
+    slots = jnp.where(written.valid, written.positions, n_slots)
+    fresh = {name: hi_view[name].at[rows, slots].set(
+                 written.records[name].astype(hi_view[name].dtype), mode="drop")
+             for name in hi_view}
+    return view._replace(records={**view.records, **fresh})
 
 
 def has_seq_state(state: dict) -> bool:
@@ -253,7 +327,8 @@ def copy_pool_blocks(pools, src: Int[Array, "C"], dst: Int[Array, "C"]):
 
 
 def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str = "auto",
-                   interpret: bool = False, backend: str | None = None) -> Transform:
+                   interpret: bool = False, backend: str | None = None,
+                   window_blocks: int = 0) -> Transform:
     """Transform: every layer's records move into pages, each layer keeping its codec.
 
     Dense and window layers keep their codec (a window layer's pages hold the whole
@@ -270,9 +345,9 @@ def paged_kv_cache(block_size: int = 16, n_blocks: int = 0, implementation: str 
                     "only codec caches in a dense, window or paged layout can be paged")
             caches.append(PagedKVCache(cache.codec, block_size=block_size, n_blocks=n_blocks,
                                        implementation=implementation, backend=backend,
-                                       interpret=interpret))
+                                       interpret=interpret, window_blocks=window_blocks))
         return model.replace(caches=tuple(caches))
 
     PagedKVCache(block_size=block_size, n_blocks=n_blocks, implementation=implementation,
-                 backend=backend)  # validates the arguments now, not at apply time
+                 backend=backend, window_blocks=window_blocks)  # validates the arguments now
     return stateless(apply, f"paged_kv(block_size={block_size})")

@@ -10,12 +10,15 @@ the bfloat16 codec reads it, and a token beyond both is read exactly as the inne
 reads it (rebuilt K/V: `inner.decode`); the choice is per query, so a prefill chunk scores
 every position as decode would reach it, whatever the chunking.
 
-Bytes: this is the read's reference implementation; it keeps the bfloat16 copy of *every*
-token (all layouts store all of a codec's records), so its arrays are larger than bf16's.
-A bounded window (bfloat16 pages only for the sink and the last W tokens of each sequence,
-freed as the window moves) needs the paged engine to manage a second pool; until it does,
-the paged pool refuses windowed codecs (`HI_RECORDS` names what it would have to keep).
-`kv_window(S, W)` wraps whatever codec each layer has (a transform applied after it).
+Where the copies live is the layout's business: dense and ring layouts keep one per slot
+(they are for development: their arrays are larger than bf16's); the paged layout keeps the
+codes of every token in its pool and the copies in a second, small pool of window pages
+that only the sink's blocks and each sequence's last W tokens hold (research/kv/paged.py;
+the engine's bookkeeping: research/kv/window_pages.py), so a served sequence costs the
+codec's bytes per token plus a bounded (S + W) x bf16. `kv_window(S, W)` wraps whatever
+codec each layer has (research/kv/layouts.py, a transform applied after it); the
+registry serves
+"tasq-1bit+w128" (S = 4, W = 128: scripts/dev_tasq_calibration_positions.py, dev split).
 """
 from __future__ import annotations
 
@@ -27,7 +30,6 @@ from flax import struct
 
 from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
 from research.kv.codec import KVCodec, KVView
-from research.transforms import Transform, stateless
 
 HI_RECORDS = ("k_hi", "v_hi")  # the full-precision copy, beside the inner codec's records
 
@@ -103,24 +105,3 @@ def check_window(sink, recent) -> None:
 
 def is_windowed(codec: KVCodec) -> bool:
     return isinstance(codec, WindowedCodec)
-
-
-def kv_window(sink: int = 4, recent: int = 128) -> Transform:
-    """Transform: every layer's codec (whatever a transform installed before) keeps a
-    bfloat16 copy read for the first `sink` and each query's last `recent` tokens."""
-    from research.kv.layouts import LAYOUTS  # layouts imports the layouts; this stays a leaf
-    check_window(sink, recent)
-
-    def apply(model, state):
-        del state
-        caches = []
-        for i, cache in enumerate(model.caches):
-            if not isinstance(cache, LAYOUTS):
-                raise TypeError(f"kv_window would discard layer {i}'s {cache.describe()} "
-                                "cache: a window wraps codecs in dense, window or paged "
-                                "layouts only")
-            caches.append(dataclasses.replace(cache,
-                                              codec=WindowedCodec(cache.codec, sink, recent)))
-        return model.replace(caches=tuple(caches), tags=model.tags + (f"w{recent}",))
-
-    return stateless(apply, f"kv_window(sink={sink}, recent={recent})")

@@ -108,7 +108,7 @@ from typing import Sequence
 
 import numpy as np
 
-from research.decode.paged_pool import PagedPool, pow2
+from research.decode.paged_pool import PagedPool, codec_window, pow2
 from research.kv.block_allocator import OutOfBlocksError
 from research.model.llama import Model
 from research.serving.api import EngineMetrics, QueueFullError, Request, TokenEvent
@@ -185,6 +185,17 @@ def token_key(seed: int, position: int) -> np.ndarray:
         2, np.uint32)
 
 
+def window_pages_for(model: Model, block_size: int, rows: int) -> int:
+    """Window pages a pool needs for a windowed codec (0: none): per sequence its sink's
+    blocks, the blocks of its last W tokens read in a pass and of those the pass writes,
+    and a block of slack each side (research/kv/window_pages.py), for `rows` sequences."""
+    window = codec_window(model)
+    if window is None:
+        return 0
+    sink, recent = window
+    return rows * (-(-sink // block_size) + 2 * -(-recent // block_size) + 4)
+
+
 class ServingEngine(SchedulerMixin, BatchMixin):
     """Continuous batching over one `PagedPool` (see the module docstring).
 
@@ -232,7 +243,8 @@ class ServingEngine(SchedulerMixin, BatchMixin):
         self.pool = PagedPool(model, n_blocks=n_blocks, block_size=block_size,
                               max_len=max_len, implementation=implementation,
                               interpret=interpret, prefix_cache=prefix_cache, mesh=mesh,
-                              rules=rules)
+                              rules=rules, window_blocks=window_pages_for(
+                                  model, block_size, 2 * max_batch))
         # the forward calls; a model holding one weight set per phase (research.dynacore)
         # prefills with its prefill set and decodes with its decode set
         self.runner = StepRunner(self.pool, min_read_len=min_read_len)

@@ -142,6 +142,15 @@ def _tasq(key_space, bits=1, key_read="rebuild"):
     return make
 
 
+def _windowed(make_inner, sink: int, recent: int):
+    """A registered codec with a bfloat16 sink + recent window over it (windowed.py)."""
+    def make(seed, **options):
+        from research.kv.layouts import kv_window
+        from research.transforms import chain
+        return chain(make_inner(seed, **options), kv_window(sink, recent))
+    return make
+
+
 def _kivi2(seed):
     from research.tasq.baselines import kivi_kv
     return kivi_kv(bits=2)
@@ -176,6 +185,11 @@ BUILTIN = (
               "through one rotated lookup table per query (no key rebuild; calibrated)"),
     CodecSpec("tasq-2bit", _tasq("pre_rope", bits=2), True, True,
               "TaSQ 2-bit VQ codes, keys before RoPE (calibrated)"),
+    CodecSpec("tasq-1bit+w128", _windowed(_tasq("pre_rope"), 4, 128), True, True,
+              "tasq-1bit with the first 4 and each query's last 128 tokens read from "
+              "bfloat16 window pages (sink + recent window; calibrated)"),
+    CodecSpec("tasq-1bit-post+w128", _windowed(_tasq("post_rope"), 4, 128), True, True,
+              "tasq-1bit-post with the same bfloat16 sink + recent window (calibrated)"),
     CodecSpec("sign-1bit", _sign, False, True,
               "QJL-style sign bits of projected keys and of values"),
     CodecSpec("kivi-2bit", _kivi2, False, False,

@@ -72,6 +72,7 @@ class SchedulerMixin:
         n_cached = min(len(blocks) * self.pool.block_size, len(req.tokens) - 1)
         if req.scoring and n_cached:  # the logits at the last adopted position are needed
             n_cached -= 1
+        n_cached = self.pool.usable_prefix(blocks, n_cached)  # a window's pages may be gone
         blocks = blocks[:-(-n_cached // self.pool.block_size)] if n_cached else []
         req.seq = m.adopt(blocks, n_cached) if blocks else m.new_sequence()
         req.cached_blocks = n_cached // self.pool.block_size

@@ -66,8 +66,9 @@ class StepRunner:
         per row. Returns (sampled [R], greedy [R, T] or [R, 1]) on the host."""
         self.stats.read_slots += table.size * self.pool.block_size
         t0 = time.perf_counter()
+        tables = self.pool.pass_tables(table, start, n_new)
         self.pool.pools, sampled, greedy = serve_forward(
-            self.phase_models[phase], self.pool.pools, table, tokens, start, n_new,
+            self.phase_models[phase], self.pool.pools, tables, tokens, start, n_new,
             *sampling, verify=verify)
         sampled, greedy = np.asarray(sampled), np.asarray(greedy)
         self.stats.forward_s += time.perf_counter() - t0
@@ -78,21 +79,28 @@ class StepRunner:
         """`serve_forward_ext` over the rows; returns its outputs as host arrays."""
         self.stats.read_slots += table.size * self.pool.block_size
         t0 = time.perf_counter()
+        tables = self.pool.pass_tables(table, start, n_new)
         self.pool.pools, out = serve_forward_ext(
-            self.phase_models[phase], self.pool.pools, table, tokens, start, n_new,
+            self.phase_models[phase], self.pool.pools, tables, tokens, start, n_new,
             *sampling, targets, proc, score=score)
         out = tuple(np.asarray(x) for x in jax.device_get(out))
         self.stats.forward_s += time.perf_counter() - t0
         return out
 
 
+def as_tables(tables) -> dict:
+    """{state key: table} of a pass (a bare array is the block table)."""
+    return tables if isinstance(tables, dict) else {paged.TABLE: tables}
+
+
 @functools.partial(jax.jit, static_argnames=("verify",), donate_argnums=(1,))
-def serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
+def serve_forward(model: Model, pools: tuple, tables, tokens, start, n_new, temperature,
                    top_k, top_p, key_data, *, verify: bool):
     """Rows' pending tokens through the paged caches; the token after each row's last
     real one, sampled with the row's settings; `verify` also returns the argmax at every
-    position (speculative verification), else [R, 1] argmax at the last."""
-    states = tuple({**p, paged.TABLE: table} for p in pools)
+    position (speculative verification), else [R, 1] argmax at the last. tables: the
+    block table [R, M], or the pass's tables by state key (`PagedPool.pass_tables`)."""
+    states = tuple({**p, **as_tables(tables)} for p in pools)
     out = forward(model, tokens, cache_states=states, start=start, n_new=n_new,
                   logits="all" if verify else "last")
     new_pools = tuple(paged.pools_of(s) for s in out.cache_states)
@@ -106,7 +114,7 @@ def serve_forward(model: Model, pools: tuple, table, tokens, start, n_new, tempe
 
 
 @functools.partial(jax.jit, static_argnames=("score",), donate_argnums=(1,))
-def serve_forward_ext(model: Model, pools: tuple, table, tokens, start, n_new, temperature,
+def serve_forward_ext(model: Model, pools: tuple, tables, tokens, start, n_new, temperature,
                       top_k, top_p, key_data, targets, proc, *, score: bool):
     """`serve_forward` for scoring, logprobs and logit processors (never speculative).
 
@@ -115,7 +123,7 @@ def serve_forward_ext(model: Model, pools: tuple, table, tokens, start, n_new, t
     [R, 1], the sampled token's raw logprob [R], top MAX_LOGPROBS ids / logprobs [R, K]),
     plus with `score` (logprob of `targets` [R, T] at every position, top ids / logprobs
     [R, T, K]). Logprobs are of the model's raw distribution (before processors)."""
-    states = tuple({**p, paged.TABLE: table} for p in pools)
+    states = tuple({**p, **as_tables(tables)} for p in pools)
     out = forward(model, tokens, cache_states=states, start=start, n_new=n_new,
                   logits="all" if score else "last")
     new_pools = tuple(paged.pools_of(s) for s in out.cache_states)

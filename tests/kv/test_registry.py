@@ -134,7 +134,7 @@ def test_the_server_serves_exactly_the_registered_paging_codecs(toy, base):
 
 def test_the_readme_lists_exactly_the_servable_codecs():
     """README's `--kv_codec=a|b|...` is the registry's servable codecs, in its order."""
-    listed = re.findall(r"`--kv_codec=([\w.|-]+)`", (ROOT / "README.md").read_text())
+    listed = re.findall(r"`--kv_codec=([\w.|+-]+)`", (ROOT / "README.md").read_text())
     assert listed, "README.md lists no `--kv_codec=...|...` choices"
     assert [tuple(x.split("|")) for x in listed] == [registry.names(pages=True)] * len(listed)
 

@@ -13,7 +13,8 @@ from research.kv.dense import DenseKVCache
 from research.kv.paged import PagedKVCache
 from research.kv.quantized import Int8Codec, int8_kv
 from research.kv.window import WindowKVCache
-from research.kv.windowed import WindowedCodec, kv_window
+from research.kv.layouts import kv_window
+from research.kv.windowed import WindowedCodec
 from research.model import forward
 from research.model.precision import kv_cache_dtype
 from research.tasq.kivi import KIVICodec
@@ -132,5 +133,8 @@ def test_refusals_name_the_problem(tiny):
     with pytest.raises(ValueError, match="per-sequence state"):
         WindowedCodec(KIVICodec(bits=2, key_group=2, value_group=4, residual=2, rollback=4))
     windowed, _ = calibrate_and_apply(kv_window(), tiny, None)
-    with pytest.raises(TypeError, match="bfloat16 copy of every token"):
+    with pytest.raises(TypeError, match="pass window_blocks >= 1"):
         PagedPool(windowed, n_blocks=8, block_size=4, max_len=16)
+    mixed = windowed.replace(caches=(tiny.caches[0],) + windowed.caches[1:])
+    with pytest.raises(ValueError, match="the same full-precision window"):
+        PagedPool(mixed, n_blocks=8, block_size=4, max_len=16, window_blocks=4)
