@@ -142,12 +142,10 @@ class PagedKVCache(KVCache):
         # without a window pool, a block's bf16 copies sit in the block's own pages
         window_table = state[WINDOW_TABLE] if windowed and self.window_blocks else table
         if windowed:  # codes through the block table, bf16 copies through the window table
-            lo, hi = split_window_records(pools)
-            lo = write_records(lo, table, split_window_records(w.records)[0], w.positions,
-                               w.valid, dtypes)
-            hi = write_records(hi, window_table, split_window_records(w.records)[1],
-                               w.positions, w.valid, dtypes)
-            pools = {**lo, **hi}
+            (lo, hi), (lo_new, hi_new) = (split_window_records(pools),
+                                          split_window_records(w.records))
+            pools = {**write_records(lo, table, lo_new, w.positions, w.valid, dtypes),
+                     **write_records(hi, window_table, hi_new, w.positions, w.valid, dtypes)}
         else:
             pools = write_records(pools, table, w.records, w.positions, w.valid, dtypes)
         lengths = start + n_new
@@ -209,8 +207,9 @@ def split_window_records(records: dict) -> tuple[dict, dict]:
 def gather_window_view(pools: dict, table, window_table, q_pos, lengths, window, dtypes,
                        written) -> KVView:
     """A windowed codec's view: codes through the block table, bfloat16 copies through the
-    window table (unmapped pages read as zeros: the host maps every one a query reads in
-    full precision), with the chunk's own copies laid over their positions."""
+    window table, with the chunk's own copies laid over their positions. An unmapped
+    window page reads page 0 and is never chosen: the host maps every page a query reads
+    in full precision (research/kv/window_pages.py raises before a pass that would not)."""
     lo, hi = split_window_records(pools)
     view = gather_view(lo, table, q_pos, lengths, window, dtypes)
     hi_view = gather_view(hi, window_table, q_pos, lengths, window, dtypes).records
