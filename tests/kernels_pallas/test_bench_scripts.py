@@ -81,3 +81,14 @@ def test_cpu_key_read_bench_dry_run(capsys):
     assert set(report["ms"]) == {"bf16", "post", "rebuild", "rotated", "post_keys",
                                  "rebuild_keys", "rotated_keys"}
     assert report["rotated_vs_rebuild_max_abs_diff"] < 1e-4
+
+
+def test_cpu_windowed_read_bench_dry_run(capsys):
+    """scripts/bench_windowed_read_cpu.py (issue 44 item 3's timings) runs at tiny sizes
+    and reports every row against bf16."""
+    import bench_windowed_read_cpu as windowed_read
+    windowed_read.main(["--dry-run"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["median_ms"]) == set(report["vs_bf16"]) == {"bf16", "codes",
+                                                                  "codes+window"}
+    assert report["vs_bf16"]["bf16"] == 1.0
