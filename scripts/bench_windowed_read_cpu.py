@@ -9,8 +9,8 @@ One SmolLM2-135M layer (9 query heads, 3 KV heads, head_dim 64) in the paged lay
 the block table), every row `--context` tokens long. Codes and codebooks are random (times
 do not depend on values): 1 bit per channel, 8-channel groups, 256 centroids, per-head
 codebooks. Rows: bf16; codes (CQCodec, keys rebuilt block by block: TaSQ 1-bit's XLA
-read); codes + window (WindowedCodec(codes, 4, 128): the mixed read of
-research/kv/windowed.py). jit, one warm-up call each (compile seconds reported), then
+read); codes + window (WindowedCodec(codes, 4, 128): the codes' own scores and the S + W
+window tokens in one softmax, research/kv/windowed.py). jit, one warm-up call each (compile seconds reported), then
 `--repeats` interleaved rounds; medians of wall seconds. Prints JSON.
 """
 from __future__ import annotations

@@ -139,6 +139,32 @@ def vq_decode_attention_pre_rope(q: Float[Array, "B Hq D"], k_codes: UInt8[Array
     per-slot mask (e.g. unmapped pages), ANDed with slot < lengths[b].
     """
     b, hq, d = q.shape
+    s = k_codes.shape[1]
+    scores = pre_rope_decode_scores(q, k_codes, k_codebook, key_rope, block, sm_scale)
+    mask = jnp.arange(s)[None, :] < lengths[:, None]
+    if kv_valid is not None:
+        mask &= kv_valid
+    weights = masked_softmax_weights(scores, mask[:, None, None, :])  # [B, Hkv, gq, S]
+    return values_from_code_weights(weights, v_codes, v_codebook).reshape(b, hq, d)
+
+
+def values_from_code_weights(weights: Float[Array, "B Hkv J S"],
+                             v_codes: UInt8[Array, "B S Hkv G"],
+                             v_codebook: Float[Array, "Hc G K g"]) -> Float[Array, "B Hkv J D"]:
+    """sum_s weights[b, h, j, s] * value(v_codes[b, s, h]) through per-code bins, for
+    every row and KV head (the values of `vq_decode_attention_pre_rope`)."""
+    vcb = _codebook_for_heads(v_codebook, v_codes.shape[2])
+    per_head = jax.vmap(values_from_codes, in_axes=(0, 1, 0))  # over KV heads
+    return jax.vmap(per_head, in_axes=(0, 0, None))(weights, v_codes, vcb)
+
+
+def pre_rope_decode_scores(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
+                           k_codebook: Float[Array, "Hc G K g"], key_rope: KeyRope,
+                           block: int = 512, sm_scale: float | None = None
+                           ) -> Float[Array, "B Hkv J S"]:
+    """Scaled scores of one decode query per row against pre-RoPE key codes, `block` keys
+    at a time (pass 1 of `vq_decode_attention_pre_rope`), unmasked."""
+    b, hq, d = q.shape
     _, s, hkv, g = k_codes.shape
     gq = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -159,14 +185,7 @@ def vq_decode_attention_pre_rope(q: Float[Array, "B Hq D"], k_codes: UInt8[Array
                 + jnp.einsum("bkjd,bskd->bkjs", qb, keys * sin_j))
 
     scores = jax.lax.map(block_scores, (codes, jnp.arange(n_blocks)))
-    scores = jnp.moveaxis(scores, 0, 3).reshape(b, hkv, gq, n_blocks * block)[..., :s]
-    mask = jnp.arange(s)[None, :] < lengths[:, None]
-    if kv_valid is not None:
-        mask &= kv_valid
-    weights = masked_softmax_weights(scores, mask[:, None, None, :])  # [B, Hkv, gq, S]
-    vcb = _codebook_for_heads(v_codebook, hkv)
-    per_head = jax.vmap(values_from_codes, in_axes=(0, 1, 0))  # over KV heads
-    return jax.vmap(per_head, in_axes=(0, 0, None))(weights, v_codes, vcb).reshape(b, hq, d)
+    return jnp.moveaxis(scores, 0, 3).reshape(b, hkv, gq, n_blocks * block)[..., :s]
 
 
 def vq_attention_blockwise(q: Float[Array, "B T Hq D"], k_codes: UInt8[Array, "B S Hkv G"],

@@ -148,6 +148,19 @@ class KVCodec(abc.ABC):
         k, v = self.decode(view.records, view.kv_pos)
         return attend(q, k, v, view.q_pos, view.kv_pos, view.kv_valid, view.window)
 
+    def decode_scores(self, q: Float[Array, "B Hq D"], records: Records
+                      ) -> Float[Array, "B Hkv J S"] | None:
+        """Scaled scores (q . k / sqrt(D)) of one decode query per row against every
+        record, without rebuilding K, or None (default): a codec that has them lets a
+        full-precision window (research/kv/windowed.py) read its codes at the codec's
+        speed, merging its own scores into one softmax. J = Hq / Hkv."""
+        return None
+
+    def weighted_values(self, weights: Float[Array, "B Hkv J S"], records: Records
+                        ) -> Float[Array, "B Hq D"]:
+        """sum_s weights[..., s] * V(records[s]) (with `decode_scores`)."""
+        raise NotImplementedError(f"{self.describe()} has no weighted_values")
+
     def page_reader(self, window: int | None, read: PageRead) -> PageReader | None:
         """A decode-step reader straight from pages through the block table (module
         docstring), or None (default): the layout gathers the live pages and calls

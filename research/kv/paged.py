@@ -55,7 +55,7 @@ from research.kv.codec import (SEQ, FloatCodec, KVCodec, KVView, PageRead,
                                decode_through_reader)
 from research.kv.dense import DenseKVCache, either_bad
 from research.kv.window import WindowKVCache
-from research.kv.windowed import HI_RECORDS, is_windowed
+from research.kv.windowed import HI_RECORDS, is_windowed, window_positions
 
 TABLE = "block_table"
 # a windowed codec's bfloat16 copies (research/kv/windowed.py) live in their own smaller
@@ -154,6 +154,11 @@ class PagedKVCache(KVCache):
             if windowed:
                 view = gather_window_view(pools, table, window_table, q_pos, lengths,
                                           window, dtypes, w)
+                if q.shape[1] == 1:  # a decode step reads only the S + W window tokens
+                    extra = dict(w.extra or {}, window=gather_window_set(
+                        pools, window_table, lengths, self.codec.sink, self.codec.recent,
+                        dtypes))
+                    return self.codec.attend(q, view._replace(extra=extra))
             else:
                 view = gather_view(pools, table, q_pos, lengths, window, dtypes)
             return self.codec.attend(q, view._replace(extra=w.extra))
@@ -221,6 +226,20 @@ def gather_window_view(pools: dict, table, window_table, q_pos, lengths, window,
                  written.records[name].astype(hi_view[name].dtype), mode="drop")
              for name in hi_view}
     return view._replace(records={**view.records, **fresh})
+
+
+def gather_window_set(pools: dict, window_table, lengths, sink: int, recent: int,
+                      dtypes: dict):
+    """(positions, valid, K, V) of each row's first `sink` and last `recent` tokens from
+    the window pages (research/kv/windowed.py `WindowedCodec._window_set`)."""
+    pos, valid = window_positions(lengths, sink, recent)
+    block_size = pools[HI_RECORDS[0]].shape[1]
+    col = jnp.clip(pos // block_size, 0, window_table.shape[1] - 1)
+    page = jnp.take_along_axis(window_table, col, axis=1)
+    valid = valid & (page >= 0)
+    page, slot = jnp.maximum(page, 0), jnp.clip(pos, 0) % block_size
+    k, v = (as_logical(pools[name][page, slot], dtypes[name]) for name in HI_RECORDS)
+    return pos, valid, k, v
 
 
 def has_seq_state(state: dict) -> bool:

@@ -36,7 +36,9 @@ import jax
 from flax import struct
 
 from kernels_pallas.vq_attention.api import vq_decode_attention
-from kernels_pallas.vq_attention.reference import (dequantize, vq_attention_blockwise,
+from kernels_pallas.vq_attention.reference import (dequantize, pre_rope_decode_scores,
+                                                   values_from_code_weights,
+                                                   vq_attention_blockwise,
                                                    vq_decode_attention_pre_rope)
 from kernels_pallas.vq_attention.rope import KeyRope
 from kernels_pallas.vq_attention.rotated import PairTables, vq_attention_rotated
@@ -165,6 +167,22 @@ class CQCodec(KVCodec):
         (kernels_pallas.vq_attention.paged); none for windows or "xla"."""
         return paged_codes_reader(self, window, read, key_rope=self.key_rope(
             self.key_codebook.shape[1] * self.key_codebook.shape[3]))
+
+    def decode_scores(self, q, records):
+        """The rebuild read's scores (keys rebuilt a block at a time); None for the
+        rotated-table read."""
+        if self.key_read != "rebuild":
+            return None
+        d = q.shape[-1]
+        qp = permute_channels(q[:, None], self._key_order(d))[:, 0]
+        return pre_rope_decode_scores(qp, records["k_codes"], self.key_codebook,
+                                      self.key_rope(d), self.block)
+
+    def weighted_values(self, weights, records):
+        b, hkv, j, _ = weights.shape
+        out = values_from_code_weights(weights, records["v_codes"], self.value_codebook)
+        out = out.reshape(b, 1, hkv * j, -1)
+        return self._unpermute(out, self.value_perm)[:, 0]
 
     def key_perm_or_identity(self, head_dim: int) -> Array:
         return self._key_order(head_dim)

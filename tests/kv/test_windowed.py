@@ -17,6 +17,7 @@ from research.kv.layouts import kv_window
 from research.kv.windowed import WindowedCodec
 from research.model import forward
 from research.model.precision import kv_cache_dtype
+from research.tasq.cq import CQCodec
 from research.tasq.kivi import KIVICodec
 from research.tasq.vq import VQCodec
 from research.transforms import calibrate_and_apply
@@ -67,12 +68,23 @@ def _vq():
     return VQCodec.create(books(), books(), perm(), perm())
 
 
-@pytest.mark.parametrize("inner", [Int8Codec(), _vq()], ids=["int8", "vq"])
+def _cq():
+    """TaSQ's default codec: pre-RoPE key codes in permuted groups, keys rebuilt a block
+    at a time (it scores its codes itself: the window's decode steps take its fast path)."""
+    rng = np.random.default_rng(4)
+    books = lambda: jnp.asarray(rng.normal(size=(HKV, D // 2, 16, 2)), jnp.float32)  # noqa
+    perm = lambda: jnp.asarray(np.stack([rng.permutation(D) for _ in range(HKV)]))  # noqa
+    return CQCodec(books(), books(), rope_theta=10000.0, key_perm=perm(), value_perm=perm(),
+                   block=4)
+
+
+@pytest.mark.parametrize("inner", [Int8Codec(), _vq(), _cq()], ids=["int8", "vq", "cq"])
 def test_the_window_reads_bf16_inside_and_the_codec_beyond(inner):
     q, k, v = _qkv(0, 24)
     windowed = WindowedCodec(inner, sink=2, recent=5)
     ref = _reference(inner, 2, 5, q, k, v)
     for cache in (DenseKVCache(windowed), PagedKVCache(windowed, block_size=4)):
+        # (a window pool's own table is the engine's: tests/serving/test_engine_window.py)
         for chunks in ((24,), (7, 1, 1, 9, 6), (1,) * 24):  # any chunking: the same reads
             got = _run(cache, q, k, v, chunks)
             np.testing.assert_allclose(got, ref, atol=2e-5, err_msg=f"{cache.describe()} "
