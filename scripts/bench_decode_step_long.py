@@ -24,10 +24,22 @@ import time
 import jax
 import jax.numpy as jnp
 
+from research.core.timing import time_interleaved
 from research.kv.paged import paged_kv_cache
 from research.model import forward, load
 from research.serving import kv_codecs
 from research.transforms import CalibrationData
+
+
+def _donating(step, model, states):
+    """A decode step on the cache states the last step returned (they are donated)."""
+    held = [states]
+
+    def call():
+        out = step(model, held[0])
+        held[0] = out.cache_states
+        return out.logits
+    return call
 
 
 def main(argv=None):
@@ -42,7 +54,7 @@ def main(argv=None):
     calib = CalibrationData.from_corpus(tok, 256, 4)
     tokens = jnp.full((args.batch, 1), 42, jnp.int32)
     start = jnp.full((args.batch,), args.context, jnp.int32)
-    runs, first = {}, {}
+    fns, first = {}, {}
     for name in args.codecs.split(","):
         spec = kv_codecs.get(name)
         m = kv_codecs.codec_model(model, name, calibration=calib if spec.calibrated else None)
@@ -50,19 +62,12 @@ def main(argv=None):
             m = paged_kv_cache(block_size=16).apply(m, ())
         step = jax.jit(lambda m, states: forward(m, tokens, cache_states=states, start=start,
                                                  logits="last"), donate_argnums=1)
-        states = m.init_cache(args.batch, args.context + 16)
+        fns[name] = _donating(step, m, m.init_cache(args.batch, args.context + 16))
         t0 = time.perf_counter()
-        out = jax.block_until_ready(step(m, states))
+        jax.block_until_ready(fns[name]())
         first[name] = time.perf_counter() - t0
-        runs[name] = [m, step, out.cache_states, []]
-    for r in range(args.steps):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            m, step, states, times = runs[name]
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(step(m, states))
-            times.append(time.perf_counter() - t0)
-            runs[name][2] = out.cache_states
-    tok_s = {n: args.batch / statistics.median(r[3]) for n, r in runs.items()}
+    times = time_interleaved(fns, warmup=0, repeats=args.steps, alternate=True)
+    tok_s = {n: args.batch / statistics.median(t["wall_s"]) for n, t in times.items()}
     base = tok_s.get("bf16")
     print(json.dumps({"batch": args.batch, "context": args.context, "steps": args.steps,
                       "layout": args.layout,

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from research.core.timing import time_interleaved
 from research.kv.codec import FloatCodec
 from research.kv.paged import PagedKVCache
 from research.kv.windowed import WindowedCodec
@@ -56,6 +57,16 @@ def _step(cache, batch, context):
     return jax.jit(step, donate_argnums=0), state
 
 
+def _donating(step, state):
+    """A call of `step` on the state its last call returned (the pools are donated)."""
+    held = [state]
+
+    def call():
+        out, held[0] = step(held[0])
+        return out
+    return call
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -69,20 +80,14 @@ def main(argv=None):
     caches = {"bf16": PagedKVCache(FloatCodec("bfloat16")),
               "codes": PagedKVCache(codes),
               "codes+window": PagedKVCache(WindowedCodec(codes, 4, 128))}
-    steps, compile_s = {}, {}
+    fns, compile_s = {}, {}
     for name, cache in caches.items():
-        step, state = _step(cache, args.batch, args.context)
+        fns[name] = _donating(*_step(cache, args.batch, args.context))
         t0 = time.perf_counter()
-        _, state = jax.block_until_ready(step(state))
+        jax.block_until_ready(fns[name]())
         compile_s[name] = time.perf_counter() - t0
-        steps[name] = [step, state]
-    times = {name: [] for name in caches}
-    for r in range(args.repeats):
-        for name in (list(caches) if r % 2 == 0 else list(caches)[::-1]):
-            step, state = steps[name]
-            t0 = time.perf_counter()
-            _, steps[name][1] = jax.block_until_ready(step(state))
-            times[name].append(time.perf_counter() - t0)
+    times = time_interleaved(fns, warmup=0, repeats=args.repeats, alternate=True)
+    times = {name: t["wall_s"] for name, t in times.items()}
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
     print(json.dumps({"batch": args.batch, "context": args.context, "repeats": args.repeats,
                       "median_ms": {k: round(v, 2) for k, v in ms.items()},

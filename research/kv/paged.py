@@ -154,7 +154,9 @@ class PagedKVCache(KVCache):
             if windowed:
                 view = gather_window_view(pools, table, window_table, q_pos, lengths,
                                           window, dtypes, w)
-                if q.shape[1] == 1:  # a decode step reads only the S + W window tokens
+                # a decode step reads only the S + W window tokens (when the codec takes
+                # that path, XLA drops the whole-context copies gathered above)
+                if q.shape[1] == 1:
                     extra = dict(w.extra or {}, window=gather_window_set(
                         pools, window_table, lengths, self.codec.sink, self.codec.recent,
                         dtypes))

@@ -122,8 +122,7 @@ class WindowPages:
 
     # -- pages ----------------------------------------------------------------------------
     def _allocate(self, block: int, index: int) -> int:
-        if block in self.page_of:
-            self._drop(block)
+        """A page for `block` (which has none: a block gets one once, freed with it)."""
         if not self.pages.n_free:
             self._drop_cached_sinks()
         if not self.pages.n_free:

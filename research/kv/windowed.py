@@ -101,7 +101,8 @@ class WindowedCodec(KVCodec):
         """One query per row, at the inner codec's speed when it scores its codes
         (`KVCodec.decode_scores`): the codes' scores and the window's S + W bf16 scores
         in one softmax, values from codes and from the window. None: no such scores."""
-        s_lo = self.inner.decode_scores(q[:, 0], self._inner_records(view.records))
+        codes = self._inner_records(view.records)
+        s_lo = self.inner.decode_scores(q[:, 0], codes)
         if s_lo is None:
             return None
         b, _, hq, d = q.shape
@@ -115,7 +116,7 @@ class WindowedCodec(KVCodec):
         mask = jnp.concatenate([lo_mask, hi_mask], axis=-1)[:, None, None]
         w = masked_softmax_weights(jnp.concatenate([s_lo, s_hi], axis=-1), mask)
         n = s_lo.shape[-1]
-        out = self.inner.weighted_values(w[..., :n], self._inner_records(view.records))
+        out = self.inner.weighted_values(w[..., :n], codes)
         hi = jnp.einsum("bkjc,bckd->bkjd", w[..., n:], v_c.astype(jnp.float32))
         return (out.astype(jnp.float32) + hi.reshape(b, hq, d))[:, None].astype(q.dtype)
 
