@@ -112,13 +112,23 @@ def vq_decode_attention_reference(q: Float[Array, "B Hq D"], k_codes: UInt8[Arra
     """One decode query per row over its first `lengths[b]` cached tokens (the kernel's
     oracle). Pre-RoPE codes (`key_rope`) take `vq_decode_attention_pre_rope` (no table
     can serve them)."""
-    s = k_codes.shape[1]
     if key_rope is not None:
         return vq_decode_attention_pre_rope(q, k_codes, v_codes, k_codebook, v_codebook,
                                             lengths, key_rope, block, sm_scale)
-    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :]  # [B, 1, S]
-    return vq_attention_reference(q[:, None], k_codes, v_codes, k_codebook, v_codebook, mask,
-                                  sm_scale)[:, 0]
+    scores = lookup_table_decode_scores(q, k_codes, k_codebook, sm_scale)
+    return decode_values(scores, v_codes, v_codebook, lengths)
+
+
+def lookup_table_decode_scores(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
+                               k_codebook: Float[Array, "Hc G K g"],
+                               sm_scale: float | None = None) -> Float[Array, "B Hkv J S"]:
+    """Scaled scores of one decode query per row against post-RoPE key codes through the
+    query's lookup tables (the scores of `vq_attention_reference`), unmasked."""
+    d = q.shape[-1]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    lut = lookup_tables(q[:, None], k_codebook, k_codes.shape[2], sm_scale)  # [B, Hkv, J, G, K]
+    per_head = jax.vmap(scores_from_codes, in_axes=(0, 1))  # over KV heads
+    return jax.vmap(per_head)(lut, k_codes)
 
 
 def vq_decode_attention_pre_rope(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
@@ -138,24 +148,46 @@ def vq_decode_attention_pre_rope(q: Float[Array, "B Hq D"], k_codes: UInt8[Array
     At most one block of dense keys and no dense values ever exist. kv_valid: an extra
     per-slot mask (e.g. unmapped pages), ANDed with slot < lengths[b].
     """
-    b, hq, d = q.shape
-    s = k_codes.shape[1]
     scores = pre_rope_decode_scores(q, k_codes, k_codebook, key_rope, block, sm_scale)
+    return decode_values(scores, v_codes, v_codebook, lengths, kv_valid)
+
+
+def decode_values(scores: Float[Array, "B Hkv J S"], v_codes: UInt8[Array, "B S Hkv G"],
+                  v_codebook: Float[Array, "Hc G K g"], lengths: Int[Array, "B"],
+                  kv_valid: Bool[Array, "B S"] | None = None) -> Float[Array, "B Hq D"]:
+    """One softmax over a decode step's scores (slots >= lengths[b] or not `kv_valid`
+    masked) and the values through per-code bins: the second pass of both decode reads."""
+    b, hkv, j, s = scores.shape
     mask = jnp.arange(s)[None, :] < lengths[:, None]
     if kv_valid is not None:
         mask &= kv_valid
-    weights = masked_softmax_weights(scores, mask[:, None, None, :])  # [B, Hkv, gq, S]
-    return values_from_code_weights(weights, v_codes, v_codebook).reshape(b, hq, d)
+    weights = masked_softmax_weights(scores, mask[:, None, None, :])
+    return values_from_code_weights(weights, v_codes, v_codebook).reshape(b, hkv * j, -1)
 
 
 def values_from_code_weights(weights: Float[Array, "B Hkv J S"],
                              v_codes: UInt8[Array, "B S Hkv G"],
                              v_codebook: Float[Array, "Hc G K g"]) -> Float[Array, "B Hkv J D"]:
     """sum_s weights[b, h, j, s] * value(v_codes[b, s, h]) through per-code bins, for
-    every row and KV head (the values of `vq_decode_attention_pre_rope`)."""
-    vcb = _codebook_for_heads(v_codebook, v_codes.shape[2])
-    per_head = jax.vmap(values_from_codes, in_axes=(0, 1, 0))  # over KV heads
-    return jax.vmap(per_head, in_axes=(0, 0, None))(weights, v_codes, vcb)
+    every row and KV head (the values of `vq_decode_attention_pre_rope`).
+
+    The bins of every (row, KV head, group) fill in one flat scatter-add: XLA:CPU runs a
+    scatter as one loop, and one flat loop is ~1.6x faster than a batched segment_sum per
+    (row, head, group) at batch 4 x 8k (SmolLM2's 3 KV heads, 8 groups of 256 codes).
+    """
+    b, hkv, j, s = weights.shape
+    n_groups, n_codes = v_codebook.shape[1], v_codebook.shape[2]
+    bin_base = ((jnp.arange(b)[:, None, None] * hkv + jnp.arange(hkv)[None, :, None])
+                * n_groups + jnp.arange(n_groups)) * n_codes  # [B, Hkv, G]
+    idx = bin_base[:, :, None] + jnp.moveaxis(v_codes, 1, 2).astype(jnp.int32)  # [B,Hkv,S,G]
+    rows = jnp.moveaxis(weights.astype(jnp.float32), 2, 3)[..., None, :]  # [B, Hkv, S, 1, J]
+    rows = jnp.broadcast_to(rows, (b, hkv, s, n_groups, j))
+    bins = jnp.zeros((b * hkv * n_groups * n_codes, j), jnp.float32)
+    bins = bins.at[idx.reshape(-1)].add(rows.reshape(-1, j))
+    bins = bins.reshape(b, hkv, n_groups, n_codes, j)
+    vcb = _codebook_for_heads(v_codebook.astype(jnp.float32), hkv)
+    out = jnp.einsum("bhgkj,hgkc->bhjgc", bins, vcb)
+    return out.reshape(b, hkv, j, n_groups * v_codebook.shape[3])
 
 
 def pre_rope_decode_scores(q: Float[Array, "B Hq D"], k_codes: UInt8[Array, "B S Hkv G"],
@@ -298,6 +330,5 @@ def vq_decode_attention_paged(q: Float[Array, "B Hq D"], k_pages: UInt8[Array, "
     if key_rope is not None:
         return vq_decode_attention_pre_rope(q, k_codes, v_codes, k_codebook, v_codebook,
                                             lengths, key_rope, block, sm_scale, kv_valid=valid)
-    mask = valid & (jnp.arange(k_codes.shape[1])[None, :] < lengths[:, None])
-    return vq_attention_reference(q[:, None], k_codes, v_codes, k_codebook, v_codebook,
-                                  mask[:, None, :], sm_scale)[:, 0]
+    scores = lookup_table_decode_scores(q, k_codes, k_codebook, sm_scale)
+    return decode_values(scores, v_codes, v_codebook, lengths, valid)

@@ -6,10 +6,12 @@ so keeping them exact buys most of a low-bit cache's lost quality back).
 records and a bfloat16 copy ("k_hi", "v_hi"). A query at position q reads token p from the
 bfloat16 copy when p < S or p > q - W (its own last W tokens, itself included), and from
 the inner codec's records otherwise. So a sequence shorter than S + W is read exactly as
-the bfloat16 codec reads it, and a token beyond both is read exactly as the inner codec
+the bfloat16 codec reads it (to float rounding in the fast decode step below, whose
+softmax sums fewer slots), and a token beyond both is read exactly as the inner codec
 reads it (rebuilt K/V: `inner.decode`); the choice is per query, so a prefill chunk scores
 every position as decode would reach it, whatever the chunking. A decode step of a codec
-that scores its own codes (`KVCodec.decode_scores`: TaSQ's pre-RoPE rebuild read) reads
+that scores its own codes (`KVCodec.decode_scores`: TaSQ's pre-RoPE rebuild read, the
+post-RoPE lookup tables) reads
 them at the codec's speed and only the S + W window tokens in bf16, one softmax over both
 (`python scripts/bench_windowed_read_cpu.py`: one layer at batch 4 x 8k on a 2-core CPU,
 1.54x bf16's step with the window, 1.75x without).

@@ -25,7 +25,9 @@ from jaxtyping import Array, Float, Int, UInt8
 from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.vq_attention.api import (validate_codes_and_codebooks, vq_decode_attention,
                                              vq_decode_attention_paged_codes)
-from kernels_pallas.vq_attention.reference import (dequantize, vq_attention_blockwise,
+from kernels_pallas.vq_attention.reference import (dequantize, lookup_table_decode_scores,
+                                                   values_from_code_weights,
+                                                   vq_attention_blockwise,
                                                    vq_attention_reference)
 from research.kv.codec import KVCodec
 from flax import struct
@@ -228,6 +230,17 @@ class VQCodec(KVCodec):
             out = attn(qp, k_codes, v_codes, self.key_codebook, self.value_codebook,
                        view.mask())
         return permute_channels(out, inverse_permutation(self.value_perm)).astype(q.dtype)
+
+    def decode_scores(self, q, records):
+        """The lookup-table read's scores: one table per query serves every position."""
+        qp = permute_channels(q[:, None], self.key_perm)[:, 0]
+        return lookup_table_decode_scores(qp, records["k_codes"], self.key_codebook)
+
+    def weighted_values(self, weights, records):
+        b, hkv, j, _ = weights.shape
+        out = values_from_code_weights(weights, records["v_codes"], self.value_codebook)
+        out = out.reshape(b, 1, hkv * j, -1)
+        return permute_channels(out, inverse_permutation(self.value_perm))[:, 0]
 
     def decode(self, records, positions):
         """Dense post-RoPE K and V rebuilt from the codes (a full-precision window's mixed
