@@ -18,7 +18,7 @@ DEFAULTS_CHOSEN_ON = ("none: a-priori engine settings; the codecs' own defaults 
                       "on their dev runs (TaSQ: tasq.py:dev); nothing is tuned here")
 
 COLUMNS = ["context", "prompt_tokens", "codec", "decode_tok_s", "vs_bf16", "step_ms",
-           "prefill_s", "kv_bytes_per_token", "seqs_at_budget", "budget_tok_s",
+           "prefill_s", "kv_bytes_per_token", "bytes_per_row", "seqs_at_budget", "budget_tok_s",
            "budget_vs_bf16", "budget_step_ms", "cont_ppl"]
 
 
@@ -63,9 +63,30 @@ def served_model(model, tok, codec: str, config):
 
 
 def block_bytes(served, block_size: int) -> int:
-    """Bytes of one KV block of `served`'s codec in the engine's pool (real arrays)."""
+    """Bytes of one KV block of `served`'s codec in the engine's pool (real arrays; a
+    windowed codec's codes, its bf16 copies being in window pages: `window_page_bytes`)."""
+    return _one_block_pool(served, block_size).block_bytes
+
+
+def window_page_bytes(served, block_size: int) -> int:
+    """Bytes of one window page of a windowed codec's bf16 copies (0 without a window)."""
+    return _one_block_pool(served, block_size).window_bytes
+
+
+def _one_block_pool(served, block_size: int):
     from research.decode.paged_pool import PagedPool
-    return PagedPool(served, n_blocks=1, block_size=block_size, max_len=block_size).block_bytes
+    return PagedPool(served, n_blocks=1, block_size=block_size, max_len=block_size,
+                     window_blocks=1)
+
+
+def bytes_per_row(served, context: int, block_size: int) -> int:
+    """KV bytes an engine holds per decode row at `context`: the row's blocks of codes
+    plus, for a windowed codec, the window pages the engine allocates per row
+    (ServingEngine sizes its window pool for 2 x max_batch rows: window_pages_for)."""
+    from research.serving.engine import window_pages_for
+    pages = window_pages_for(served, block_size, 2)
+    return (-(-context // block_size) * block_bytes(served, block_size)
+            + pages * window_page_bytes(served, block_size))
 
 
 def rows_of_one_prompt(served, tok, prompt, rows: int, config):
@@ -144,7 +165,7 @@ def codec_rows(model, tok, codec: str, ids, config) -> list[dict]:
         # length (8192) the prompt is context - decode_steps - 1 tokens
         n = min(context, model.config.max_position - config.decode_steps - 1)
         prompt = ids[:n]
-        per_seq_bytes = -(-context // config.block_size) * bb
+        per_seq_bytes = bytes_per_row(served, context, config.block_size)
         budget_rows = int(config.budget_gib * 2**30 // per_seq_bytes)
         if config.max_budget_rows:
             budget_rows = min(budget_rows, config.max_budget_rows)
@@ -156,7 +177,7 @@ def codec_rows(model, tok, codec: str, ids, config) -> list[dict]:
         row = {"context": context, "prompt_tokens": n, "codec": codec,
                "decode_tok_s": at_batch["tok_s"], "step_ms": at_batch["step_ms"],
                "prefill_s": at_batch["prefill_s"], "kv_bytes_per_token": bb / config.block_size,
-               "seqs_at_budget": budget_rows, "budget_tok_s": at_budget["tok_s"],
+               "bytes_per_row": per_seq_bytes, "seqs_at_budget": budget_rows, "budget_tok_s": at_budget["tok_s"],
                "budget_step_ms": at_budget["step_ms"],
                "compiles_while_serving": at_batch["compiles_while_serving"]
                + at_budget.get("compiles_while_serving", 0)}
@@ -214,8 +235,10 @@ def run(config, out_dir) -> common.Report:
              f"{config.min_read_len} tokens",
              f"decode_tok_s: batch {config.batch}, {config.decode_steps} decode steps (median "
              f"of all but the first); budget_tok_s: engine output tok/s with seqs_at_budget "
-             f"rows = {config.budget_gib} GiB / (blocks of a context-length sequence x the "
-             f"pool's measured block bytes), {config.budget_decode_steps} steps"
+             f"rows = {config.budget_gib} GiB / bytes_per_row (blocks of a context-length "
+             "sequence x the pool's measured block bytes, plus for a windowed codec the "
+             "bf16 window pages the engine allocates per row, measured page bytes), "
+             f"{config.budget_decode_steps} steps"
              + (f", capped at {config.max_budget_rows} rows" if config.max_budget_rows else ""),
              f"generate prefill of {config.memory_batch} x {config.memory_context} (f32 "
              f"weights, bf16 cache), XLA-planned bytes: one piece "

@@ -113,3 +113,23 @@ def test_the_pool_sizes_and_refuses_window_pages(windowed):
     # a window page holds bf16 K and V of block_size tokens per layer
     c = windowed.config
     assert per_page == c.n_layers * 8 * 2 * c.n_kv_heads * c.head_dim * 2
+
+
+def test_an_equal_budget_counts_the_window_pages_the_engine_allocates(windowed, model):  # noqa: F811,E501
+    """experiments/serving/long_context's budget rows: a windowed codec's row costs its
+    blocks of codes plus the bf16 window pages the engine allocates per row."""
+    from experiments.serving.long_context_experiment import (block_bytes, bytes_per_row,
+                                                             window_page_bytes)
+    from research.serving.engine import window_pages_for
+    bs, context = 8, 40  # the engine's blocks of 8: 5 blocks of a 40-token row
+    code_block = block_bytes(model, bs)
+    assert block_bytes(windowed, bs) == code_block  # the codes' pages are unchanged
+    assert window_page_bytes(model, bs) == 0
+    assert bytes_per_row(model, context, bs) == 5 * code_block
+    page = window_page_bytes(windowed, bs)
+    cfg = model.config
+    assert page == cfg.n_layers * 2 * bs * cfg.n_kv_heads * cfg.head_dim * 2  # bf16 K, V
+    engine = _engine(windowed, n_blocks=10, warmup=False)
+    per_row = engine.pool.window_bytes // engine.max_batch
+    assert bytes_per_row(windowed, context, bs) == 5 * code_block + per_row
+    assert per_row == window_pages_for(windowed, bs, 2) * page
