@@ -13,8 +13,9 @@ What:      SmolLM2-135M-Instruct (trained to 8k), f32 weights, through the servi
            per codec and context is prefilled. (c) Each codec's continuation perplexity at the longest
            context: the last 1,024 tokens of 8,192-token windows of the fresh test text.
            Codecs: bf16, int8, TaSQ 1-bit with pre-RoPE keys (the default) and post-RoPE
-           keys (lookup-table scores). KIVI-2 is left out: its full-precision ring is
-           per-sequence state the engine's re-bound rows cannot keep (refused by name).
+           keys (lookup-table scores). Plain KIVI-2 is left out: its full-precision ring is
+           per-sequence state the engine's re-bound rows cannot keep (refused by name);
+           `kivi-2bit+w128` (its residual kept by the bf16 window) is servable.
            Beside them, the memory XLA plans for one 4 x 8192 prefill of `generate` in one
            piece vs in 512-token pieces (compiled memory analysis, f32 weights, bf16
            cache).

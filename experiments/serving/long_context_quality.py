@@ -35,7 +35,8 @@ import ml_collections
 from experiments import common
 
 DEFAULT_CODECS = ("bf16", "fp8", "fp8-head", "int8", "int4", "tasq-1bit", "tasq-1bit-post",
-                  "tasq-2bit", "sign-1bit")
+                  "tasq-2bit", "sign-1bit", "tasq-1bit+w128", "tasq-1bit-post+w128",
+                  "kivi-2bit+w128")
 
 
 def get_config(arg: str = "small") -> ml_collections.ConfigDict:

@@ -71,6 +71,18 @@ def write_positions(start: Int[Array, "B"], n_new: Int[Array, "B"], t: int,
     return jnp.where(jnp.arange(t)[None, :] < n_new[:, None], idx, n_slots)
 
 
+def lookback_positions(start: Int[Array, "B"], lookback: int) -> Int[Array, "B L"]:
+    """The `lookback` positions before each row's chunk (KVCodec.lookback; negative ones
+    included, the codec ignores them)."""
+    return start[:, None] - lookback + jnp.arange(lookback)[None, :]
+
+
+def take_tokens(buf: Array, slots: Int[Array, "B L"]) -> Array:
+    """buf[b, slots[b, l]] (slots clipped into the buffer: callers mask what they read)."""
+    b_idx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], slots.shape)
+    return buf[b_idx, jnp.clip(slots, 0, buf.shape[1] - 1)]
+
+
 def scatter_tokens(buf: Array, slots: Int[Array, "B T"], values: Array) -> Array:
     """buf[b, slots[b, t]] = values[b, t]; out-of-range slots are dropped."""
     b_idx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], slots.shape)

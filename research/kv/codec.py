@@ -26,6 +26,12 @@ records of earlier positions of the chunk's first group (`Written.positions`), a
 small per-sequence state (`init_seq_state`: KIVI's full-precision residual ring) that the
 layout stores per row under "seq". Layouts keep slot groups aligned: dense buffers and
 window rings are multiples of `align`, paged blocks too (block_size % align == 0).
+
+A codec whose `write` must see the tokens just before a chunk (a full-precision window
+over KIVI rewrites the chunk's first group from its own bfloat16 copies instead of a
+per-sequence ring: research/kv/windowed.py) sets `lookback` > 0; every layout then hands
+`write` the stored records of the `lookback` positions before each row's chunk
+(`earlier`). This is the one place the protocol lets a write read the cache.
 """
 from __future__ import annotations
 
@@ -117,6 +123,7 @@ class KVCodec(abc.ABC):
     """Abstract codec. Subclasses are `flax.struct.dataclass`es (arrays = leaves)."""
 
     align = 1  # slot-group size the layouts keep aligned (positions p // align share one)
+    lookback = 0  # stored positions before a chunk that `write` reads (`earlier`)
 
     @abc.abstractmethod
     def record_spec(self, n_kv_heads: int, head_dim: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -133,9 +140,21 @@ class KVCodec(abc.ABC):
 
     def write(self, k: Float[Array, "B T Hkv D"], v: Float[Array, "B T Hkv D"],
               positions: Int[Array, "B T"], valid: Bool[Array, "B T"],
-              seq_state: Records | None) -> Written:
-        """Records of a chunk for the layout to store (default: `encode`, token by token)."""
+              seq_state: Records | None, earlier: Records | None = None) -> Written:
+        """Records of a chunk for the layout to store (default: `encode`, token by token).
+
+        earlier: with `lookback` = L > 0, the stored records [B, L, *record] of positions
+          start - L .. start - 1 of each row (start = positions[:, 0]); entries at negative
+          positions are unspecified. None when L = 0."""
         return Written(self.encode(k, v, positions), positions, valid, seq_state)
+
+    def encode_groups(self, k: Float[Array, "B N Hkv D"], v: Float[Array, "B N Hkv D"],
+                      valid: Bool[Array, "B N"]) -> Records:
+        """Records of whole `align`-position groups (N = groups x align, group-aligned)
+        from their full-precision K/V, only `valid` tokens counted: how a codec whose
+        records depend on a group (KIVI) lets a full-precision window write them from its
+        own copies (research/kv/windowed.py). Default: not a grouped codec."""
+        raise NotImplementedError(f"{self.describe()} does not encode position groups")
 
     def decode(self, records: Records, positions: Int[Array, "B S"]
                ) -> tuple[Float[Array, "B S Hkv D"], Float[Array, "B S Hkv D"]]:

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kernels_pallas.dispatch import IMPLEMENTATIONS
-from research.kv.base import KVCache, check_codec, poison_rows, scatter_tokens
+from research.kv.base import (KVCache, check_codec, lookback_positions, poison_rows,
+                              scatter_tokens, take_tokens)
 from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView, PageRead, decode_through_reader
 
 PAGE_VIEW_SIZES = (64, 32, 16)  # page size of the dense-as-pages view: the largest dividing S
@@ -74,7 +75,11 @@ class DenseKVCache(KVCache):
         n_slots = next(iter(bufs.values())).shape[1]
         q_pos = start[:, None] + jnp.arange(t)[None, :]
         valid = jnp.arange(t)[None, :] < n_new[:, None]
-        w = self.codec.write(k, v, q_pos, valid, state.get(SEQ))
+        earlier = None
+        if self.codec.lookback:
+            slots = lookback_positions(start, self.codec.lookback)
+            earlier = {name: take_tokens(buf, slots) for name, buf in bufs.items()}
+        w = self.codec.write(k, v, q_pos, valid, state.get(SEQ), earlier)
         slots = masked_slots(w.positions, w.valid, n_slots)
         new = {name: scatter_tokens(buf, slots, w.records[name]) for name, buf in bufs.items()}
         lengths = start + n_new

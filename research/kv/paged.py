@@ -50,7 +50,7 @@ from jaxtyping import Array, Int
 from kernels_pallas.dispatch import IMPLEMENTATIONS
 from kernels_pallas.paged_attention.api import BACKENDS
 from research.transforms import Transform, stateless
-from research.kv.base import KVCache, check_codec, poison_rows
+from research.kv.base import KVCache, check_codec, lookback_positions, poison_rows
 from research.kv.codec import (SEQ, FloatCodec, KVCodec, KVView, PageRead,
                                decode_through_reader)
 from research.kv.dense import DenseKVCache, either_bad
@@ -133,14 +133,23 @@ class PagedKVCache(KVCache):
             raise ValueError(f"block_table has {table.shape[0]} rows but the chunk has "
                              f"batch {b}; install tables with with_block_tables")
         q_pos = start[:, None] + jnp.arange(t)[None, :]
-        w = self.codec.write(k, v, q_pos, jnp.arange(t)[None, :] < n_new[:, None],
-                             state.get(SEQ))
         dtypes = {name: spec.dtype
                   for name, spec in self.codec.record_spec(k.shape[2], k.shape[3]).items()}
         windowed = is_windowed(self.codec)
         pools = pools_of(state)
         # without a window pool, a block's bf16 copies sit in the block's own pages
         window_table = state[WINDOW_TABLE] if windowed and self.window_blocks else table
+        earlier = None
+        if self.codec.lookback:  # in the chunk's first block (block_size % align == 0)
+            before = lookback_positions(start, self.codec.lookback)
+            if windowed:
+                lo, hi = split_window_records(pools)
+                earlier = {**gather_positions(lo, table, before, dtypes),
+                           **gather_positions(hi, window_table, before, dtypes)}
+            else:
+                earlier = gather_positions(pools, table, before, dtypes)
+        w = self.codec.write(k, v, q_pos, jnp.arange(t)[None, :] < n_new[:, None],
+                             state.get(SEQ), earlier)
         if windowed:  # codes through the block table, bf16 copies through the window table
             (lo, hi), (lo_new, hi_new) = (split_window_records(pools),
                                           split_window_records(w.records))
@@ -235,13 +244,22 @@ def gather_window_set(pools: dict, window_table, lengths, sink: int, recent: int
     """(positions, valid, K, V) of each row's first `sink` and last `recent` tokens from
     the window pages (research/kv/windowed.py `WindowedCodec._window_set`)."""
     pos, valid = window_positions(lengths, sink, recent)
-    block_size = pools[HI_RECORDS[0]].shape[1]
-    col = jnp.clip(pos // block_size, 0, window_table.shape[1] - 1)
-    page = jnp.take_along_axis(window_table, col, axis=1)
-    valid = valid & (page >= 0)
-    page, slot = jnp.maximum(page, 0), jnp.clip(pos, 0) % block_size
-    k, v = (as_logical(pools[name][page, slot], dtypes[name]) for name in HI_RECORDS)
-    return pos, valid, k, v
+    hi = {name: pools[name] for name in HI_RECORDS}
+    copies, mapped = gather_positions(hi, window_table, pos, dtypes, with_mapped=True)
+    return pos, valid & mapped, copies["k_hi"], copies["v_hi"]
+
+
+def gather_positions(pools: dict, table, positions, dtypes: dict, with_mapped=False):
+    """The records {name: [B, L, *record]} at `positions` [B, L] of each row, read through
+    `table` (an unmapped or out-of-range position reads some page: callers mask it); with
+    `with_mapped`, also whether each position's block is mapped."""
+    block_size = next(iter(pools.values())).shape[1]
+    col = jnp.clip(positions // block_size, 0, table.shape[1] - 1)
+    page = jnp.take_along_axis(table, col, axis=1)
+    slot = jnp.clip(positions, 0) % block_size
+    out = {name: as_logical(pool[jnp.maximum(page, 0), slot], dtypes[name])
+           for name, pool in pools.items()}
+    return (out, page >= 0) if with_mapped else out
 
 
 def has_seq_state(state: dict) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from research.kv.base import KVCache, check_codec, poison_rows, scatter_tokens
+from research.kv.base import (KVCache, check_codec, lookback_positions, poison_rows,
+                              scatter_tokens, take_tokens)
 from research.kv.codec import SEQ, FloatCodec, KVCodec, KVView
 from research.kv.dense import either_bad, records_of
 
@@ -36,11 +37,20 @@ class WindowKVCache(KVCache):
         if window is None or window > self.window:
             raise ValueError(f"WindowKVCache(window={self.window}) cannot serve attention "
                              f"with window={window}")
+        align = self.codec.align
+        if self.window < window + align - 1:  # its oldest group would share slots
+            raise ValueError(f"WindowKVCache(window={self.window}) must hold the attention "
+                             f"window ({window}) plus align - 1 ({align - 1}) slots for "
+                             f"{self.codec.describe()}: a group of positions is read whole")
         t = q.shape[1]
         q_pos = start[:, None] + jnp.arange(t)[None, :]
         new_valid = jnp.arange(t)[None, :] < n_new[:, None]
-        w = self.codec.write(k, v, q_pos, new_valid, state.get(SEQ))
         ring = records_of(state)
+        earlier = None
+        if self.codec.lookback:  # the ring holds them (window >= align > lookback)
+            slots = lookback_positions(start, self.codec.lookback) % self.window
+            earlier = {name: take_tokens(x, slots) for name, x in ring.items()}
+        w = self.codec.write(k, v, q_pos, new_valid, state.get(SEQ), earlier)
         # Attend over (ring before this write) + (the written records), so a chunk longer
         # than the ring still sees its own earlier tokens. Ring slots the write re-emits
         # (a codec's re-encoded group) are the written copies' now.

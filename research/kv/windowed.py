@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
-from research.kv.codec import KVCodec, KVView
+from research.kv.codec import KVCodec, KVView, Written
 
 HI_RECORDS = ("k_hi", "v_hi")  # the full-precision copy, beside the inner codec's records
 
@@ -55,16 +55,31 @@ class WindowedCodec(KVCodec):
             raise TypeError(f"inner must be a KVCodec, got {type(self.inner).__name__}")
         if isinstance(self.inner, WindowedCodec):
             raise ValueError(f"{self.inner.describe()} already has a full-precision window")
-        if (type(self.inner).write is not KVCodec.write
-                or type(self.inner).init_seq_state is not KVCodec.init_seq_state):
+        token_codec = (type(self.inner).write is KVCodec.write
+                       and type(self.inner).init_seq_state is KVCodec.init_seq_state)
+        if not (token_codec or self.grouped):
             raise ValueError(f"{self.inner.describe()} writes groups of tokens or keeps "
-                             "per-sequence state (KIVI's ring); a window over it is not "
-                             "supported")
+                             "per-sequence state without encode_groups; a window over it "
+                             "is not supported")
         check_window(self.sink, self.recent)
+        if self.grouped and self.recent < self.inner.align:
+            raise ValueError(f"recent ({self.recent}) must be >= the inner codec's group "
+                             f"({self.inner.align}, {self.inner.describe()}): a position "
+                             "is read from codes only once its group is whole")
 
     @property
     def align(self):
         return self.inner.align
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the inner codec's records depend on a group of positions (KIVI): the
+        window then writes each group whole from its own bfloat16 copies (`write`)."""
+        return type(self.inner).encode_groups is not KVCodec.encode_groups
+
+    @property
+    def lookback(self):
+        return self.inner.align - 1 if self.grouped else 0
 
     def record_spec(self, n_kv_heads, head_dim):
         hi = jax.ShapeDtypeStruct((n_kv_heads, head_dim), jnp.dtype(jnp.bfloat16))
@@ -72,8 +87,40 @@ class WindowedCodec(KVCodec):
                 **{name: hi for name in HI_RECORDS}}
 
     def encode(self, k, v, positions):
+        if self.grouped:
+            raise TypeError(f"{self.describe()} writes whole groups: layouts call write")
         return {**self.inner.encode(k, v, positions),
                 "k_hi": k.astype(jnp.bfloat16), "v_hi": v.astype(jnp.bfloat16)}
+
+    def write(self, k, v, positions, valid, seq_state, earlier=None):
+        """A token codec's records token by token; a grouped codec's (KIVI) records of
+        every group the chunk touches, whole: the chunk's first group is re-emitted from
+        the bfloat16 copies of its earlier positions (`earlier`, which the window keeps
+        since recent >= the group), and every group is encoded from bfloat16 K/V, so its
+        codes do not depend on how the sequence was chunked. The inner codec's own
+        per-sequence state (KIVI's ring) is not used: the window replaces it."""
+        if not self.grouped:
+            return super().write(k, v, positions, valid, seq_state)
+        b, t = positions.shape
+        g, lb = self.inner.align, self.lookback
+        start, n_new = positions[:, 0], jnp.sum(valid, axis=1)
+        n_groups = -(-(t + g - 1) // g)
+        pos = (start // g * g)[:, None] + jnp.arange(n_groups * g)[None, :]  # [B, N]
+        rows = jnp.arange(b)[:, None]
+        in_chunk = (pos >= start[:, None])[..., None, None]
+        chunk_idx = jnp.clip(pos - start[:, None], 0, t - 1)
+        earlier_idx = jnp.clip(pos - start[:, None] + lb, 0, max(lb - 1, 0))
+
+        def full(x, name):  # bf16 K or V at `pos`: the chunk's, or the stored copy's
+            fresh = x.astype(jnp.bfloat16)[rows, chunk_idx]
+            if lb == 0:
+                return fresh
+            return jnp.where(in_chunk, fresh,
+                             earlier[name][rows, earlier_idx].astype(jnp.bfloat16))
+        kk, vv = full(k, "k_hi"), full(v, "v_hi")
+        rec_valid = (pos < (start + n_new)[:, None]) & (n_new > 0)[:, None]
+        records = {**self.inner.encode_groups(kk, vv, rec_valid), "k_hi": kk, "v_hi": vv}
+        return Written(records, pos, rec_valid)
 
     def check_finite(self, k, v):
         return self.inner.check_finite(k, v)

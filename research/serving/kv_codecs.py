@@ -151,9 +151,9 @@ def _windowed(make_inner, sink: int, recent: int):
     return make
 
 
-def _kivi2(seed):
+def _kivi2(seed, key_group=32):
     from research.tasq.baselines import kivi_kv
-    return kivi_kv(bits=2)
+    return kivi_kv(bits=2, key_group=key_group)
 
 
 def _sign(seed):
@@ -190,11 +190,17 @@ BUILTIN = (
               "bfloat16 window pages (sink + recent window; calibrated)"),
     CodecSpec("tasq-1bit-post+w128", _windowed(_tasq("post_rope"), 4, 128), True, True,
               "tasq-1bit-post with the same bfloat16 sink + recent window (calibrated)"),
+    # KIVI's residual is the window itself (its ring unused); key groups of 16 positions,
+    # the serving block (paged blocks hold whole groups; KIVI's paper groups 32)
+    CodecSpec("kivi-2bit+w128", _windowed(lambda seed: _kivi2(seed, key_group=16), 4, 128),
+              False, True,
+              "KIVI 2-bit (keys per channel over 16-position groups, values per token) "
+              "with the same bfloat16 sink + recent window, in pages"),
     CodecSpec("sign-1bit", _sign, False, True,
               "QJL-style sign bits of projected keys and of values"),
     CodecSpec("kivi-2bit", _kivi2, False, False,
               "KIVI 2-bit with a full-precision recent ring (per-sequence state: "
-              "not servable from shared pages)"),
+              "not servable from shared pages; kivi-2bit+w128 is)"),
 )
 for _spec in BUILTIN:
     register(_spec)

@@ -23,6 +23,11 @@ full-precision ring exactly when t - p < residual, and from the codes otherwise;
 `residual >= key_group` guarantees that every position read from codes lies in a group
 that was complete when it was written.
 
+Served from shared pages (the engine re-binds rows, so no per-sequence ring): under a
+bfloat16 sink + recent window (research/kv/windowed.py, registry "kivi-2bit+w128") the
+window is KIVI's residual, and it writes each group whole through `encode_groups` from its
+own copies of the group's earlier tokens; the ring below is then unused.
+
 Rollback by length: a write at `start` first forgets every ring entry at or past `start`,
 so a rolled-back sequence needs no truncate call. It is exact while the rollback depth is
 at most `rollback` (the ring still holds the `residual` tokens before the new end and the
@@ -97,7 +102,7 @@ class KIVICodec(KVCodec):
                         "call write(k, v, positions, valid, seq_state), not encode")
 
     # -- writes ------------------------------------------------------------------------
-    def write(self, k, v, positions, valid, seq_state):
+    def write(self, k, v, positions, valid, seq_state, earlier=None):
         b, t, h, d = k.shape
         g, r = self.key_group, self.ring
         start = positions[:, 0]
@@ -120,22 +125,7 @@ class KIVICodec(KVCodec):
         vv = take(v_fp, seq_state["ring_v"]).astype(jnp.float32)
         stepping = n_new > 0
         rec_valid = (pos < (start + n_new)[:, None]) & stepping[:, None]
-
-        # Keys: per channel over each group (only its real tokens count).
-        kg = jnp.where(rec_valid[..., None, None], kk, 0.0).reshape(b, n_groups, g, h, d)
-        codes, scale, zero = quantize_uniform(kg, self.bits, axes=(2,))
-        stats = jnp.concatenate([scale[:, :, 0], zero[:, :, 0]], axis=-1)  # [B, n, H, 2D]
-        p = self._pieces(d)
-        stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0), (0, g * p - 2 * d)))
-        stats = stats.reshape(b, n_groups, h, g, p).transpose(0, 1, 3, 2, 4)
-        # Values: per token over channel groups.
-        vg = vv.reshape(b, n_groups * g, h, d // self.value_group, self.value_group)
-        v_codes, v_scale, v_zero = quantize_uniform(vg, self.bits, axes=(-1,))
-        records = {
-            "k_codes": pack_bits(codes.reshape(b, n_groups * g, h, d), self.bits),
-            "k_stats": stats.reshape(b, n_groups * g, h, p).astype(SCALE_DTYPE),
-            "v_codes": pack_bits(v_codes.reshape(b, n_groups * g, h, d), self.bits),
-            "v_scale": v_scale[..., 0], "v_zero": v_zero[..., 0]}
+        records = self.encode_groups(kk, vv, rec_valid)
 
         # Exact only if the ring still holds the residual before the chunk (which covers
         # the group's earlier tokens): a deeper rollback than `rollback` is flagged.
@@ -156,7 +146,44 @@ class KIVICodec(KVCodec):
                    "ring_pos": scatter_tokens(ring_pos, slots, q_pos)}
         return Written(records, pos, rec_valid, new_seq, extra, bad)
 
+    def encode_groups(self, k, v, valid):
+        """Records of whole key groups [B, n * key_group] (module docstring's layout)."""
+        b, n_tok, h, d = k.shape
+        g = self.key_group
+        if n_tok % g:
+            raise ValueError(f"encode_groups takes whole groups of {g} positions, got "
+                             f"{n_tok}")
+        n_groups = n_tok // g
+        # Keys: per channel over each group (only its real tokens count).
+        kg = jnp.where(valid[..., None, None], k.astype(jnp.float32), 0.0)
+        codes, scale, zero = quantize_uniform(kg.reshape(b, n_groups, g, h, d), self.bits,
+                                              axes=(2,))
+        stats = jnp.concatenate([scale[:, :, 0], zero[:, :, 0]], axis=-1)  # [B, n, H, 2D]
+        p = self._pieces(d)
+        stats = jnp.pad(stats, ((0, 0), (0, 0), (0, 0), (0, g * p - 2 * d)))
+        stats = stats.reshape(b, n_groups, h, g, p).transpose(0, 1, 3, 2, 4)
+        # Values: per token over channel groups.
+        vg = v.astype(jnp.float32).reshape(b, n_tok, h, d // self.value_group,
+                                           self.value_group)
+        v_codes, v_scale, v_zero = quantize_uniform(vg, self.bits, axes=(-1,))
+        return {"k_codes": pack_bits(codes.reshape(b, n_tok, h, d), self.bits),
+                "k_stats": stats.reshape(b, n_tok, h, p).astype(SCALE_DTYPE),
+                "v_codes": pack_bits(v_codes.reshape(b, n_tok, h, d), self.bits),
+                "v_scale": v_scale[..., 0], "v_zero": v_zero[..., 0]}
+
     # -- reads -------------------------------------------------------------------------
+    def decode_scores(self, q, records):
+        """Scores of one decode query against the rebuilt keys (a window's fast step:
+        only its S + W bfloat16 tokens are read besides the codes)."""
+        keys, _ = self.decode(records, None)
+        return gqa_scores(q[:, None], keys)[:, :, :, 0]
+
+    def weighted_values(self, weights, records):
+        _, vals = self.decode(records, None)
+        b, hkv, j, _ = weights.shape
+        out = jnp.einsum("bkjs,bskd->bkjd", weights, vals)
+        return out.reshape(b, hkv * j, vals.shape[-1])
+
     def decode(self, records, positions):
         """Dense K and V of the stored codes (slots in groups of `key_group`)."""
         b, s, h, _ = records["k_codes"].shape

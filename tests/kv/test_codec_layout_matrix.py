@@ -23,6 +23,7 @@ from research.kv.codec import FloatCodec
 from research.kv.dense import DenseKVCache
 from research.kv.quantized import Int4GroupCodec, Int8Codec
 from research.kv.window import WindowKVCache
+from research.kv.windowed import WindowedCodec
 from research.model import forward, init_params, make_model, tiny_config
 from research.serving import kv_codecs as registry
 from research.tasq import TaSQConfig, tasq
@@ -71,17 +72,20 @@ def _codec(name):
                        value_perm=jnp.asarray(_perms(rng)), label="tasq", block=4)
     if name == "kivi":  # groups of 2 positions (divide the block and the ring), rollback 4
         return KIVICodec(bits=2, key_group=2, value_group=4, residual=2, rollback=4)
+    if name == "kivi_window":  # the same groups written by a bf16 sink + recent window
+        return WindowedCodec(KIVICodec(bits=2, key_group=2, value_group=4, residual=2),
+                             sink=1, recent=3)
     raise ValueError(name)
 
 
 HAND_ROWS = ("f32", "bf16", "int8", "int4", "sign", "vq", "tasq_post", "cq", "cq_perm", "tasq",
-             "kivi")
+             "kivi", "kivi_window")
 # registered codecs (research/serving/kv_codecs.py) whose codec a hand row above already is;
 # every other registered codec becomes a row of its own, built by its registered
 # transform (calibrated ones on the tiny calibration below): registering a codec is
 # enough for this matrix to run it
 REGISTERED_AS = {"f32": "f32", "bf16": "bf16", "int8": "int8", "int4": "int4",
-                 "tasq-1bit": "tasq", "kivi-2bit": "kivi"}
+                 "tasq-1bit": "tasq", "kivi-2bit": "kivi", "kivi-2bit+w128": "kivi_window"}
 CODECS = HAND_ROWS + tuple(n for n in registry.names() if n not in REGISTERED_AS)
 PARAMS = init_params(CONFIG, jax.random.key(0))
 
@@ -252,15 +256,24 @@ def _dense(name):
     return _run(name, "dense")
 
 
+# Layouts sum attention in different orders, so the next layer's K/V differ by float
+# rounding; a codec rounding to a grid can then land one value in the neighbouring cell.
+# Seen for int8 on an AVX-512 CPU: the ring vs dense layer 1 stored 2 of its 1,024 key
+# codes one step apart (scales equal), up to 2.6e-3 on a later logit; an AVX2 CPU stayed
+# within 2e-4. A wrong read is far larger (the error bounds below: int8 6.5e-3 relative).
+LAYOUT_ATOL = {"int8": 5e-3}
+
+
 @pytest.mark.parametrize("codec_name", CODECS)
 def test_every_layout_equals_the_dense_layout_of_the_same_codec(codec_name):
     ref = _dense(codec_name)
+    atol = LAYOUT_ATOL.get(codec_name, 2e-4)
     for layout in ("window", "paged"):
         got = _run(codec_name, layout)
         for (want_logits, _), (got_logits, _) in zip(ref, got):
             for row in want_logits:
                 np.testing.assert_allclose(got_logits[row], want_logits[row], rtol=2e-4,
-                                           atol=2e-4, err_msg=f"{codec_name} in {layout}")
+                                           atol=atol, err_msg=f"{codec_name} in {layout}")
 
 
 # Relative logit error vs the f32 codec (max over the script's steps and rows), as
@@ -270,20 +283,20 @@ def test_every_layout_equals_the_dense_layout_of_the_same_codec(codec_name):
 # is one 8-channel group, whole RoPE pairs either way), TaSQ 2-bit 0.17, KIVI-2 0.18,
 # TaSQ (pre- or post-RoPE) with its 4 + 128-token bf16 window as bf16 (the script is
 # shorter than the window; tests/kv/test_windowed.py reads past it), the registry's TaSQ
-# post-RoPE (codebooks at served positions) 0.57 and sign-1bit 1.12; the random-codebook
-# rows (sign 1.24,
-# vq 0.91, tasq_post 1.12, cq 1.10, cq_perm 1.07) are far off the float logits, as random
-# centroids are, but each must still stay finite and bounded. Floors are ~1/10 of the
-# measured error and at least 2e-4, over a thousand times f32's own reordering noise
-# (~1e-7): a codec that silently kept float32 fails. Bounds are ~2-4x the measured error.
+# post-RoPE (codebooks at served positions) 0.57, KIVI-2 under a 1 + 3-token bf16 window
+# 0.15 and sign-1bit 1.12; the random-codebook rows (sign 1.24, vq 0.91, tasq_post 1.12,
+# cq 1.10, cq_perm 1.07) are far off the float logits, as random centroids are, but each
+# must still stay finite and bounded. Floors are ~1/10 of the measured error and at least
+# 2e-4, over a thousand times f32's own reordering noise (~1e-7): a codec that silently kept float32 fails. Bounds are ~2-4x the measured error.
 ERROR_BOUNDS = {"bf16": (2e-4, 8e-3), "tasq-1bit+w128": (2e-4, 8e-3),
                 "tasq-1bit-post+w128": (2e-4, 8e-3),
                 "int8": (6e-4, 2e-2), "tasq": (2e-2, 0.5),
                 "fp8": (5e-3, 0.15), "fp8-head": (4e-3, 0.12), "int4": (1e-2, 0.4),
                 "tasq-2bit": (1.5e-2, 0.5), "tasq-1bit-rot": (2e-2, 0.5),
                 "tasq-1bit-post": (5e-2, 1.5), "sign-1bit": (0.1, 2.5),
-                "kivi": (2e-2, 0.4), "sign": (0.1, 2.5), "vq": (0.1, 2.0),
-                "tasq_post": (0.1, 2.2), "cq": (0.1, 2.2), "cq_perm": (0.1, 2.2)}
+                "kivi": (2e-2, 0.4), "kivi_window": (1.5e-2, 0.4), "sign": (0.1, 2.5),
+                "vq": (0.1, 2.0), "tasq_post": (0.1, 2.2), "cq": (0.1, 2.2),
+                "cq_perm": (0.1, 2.2)}
 
 
 def _logit_error(got, want) -> float:
@@ -298,13 +311,15 @@ def test_every_registered_codec_is_a_row():
     for name, row in REGISTERED_AS.items():
         if name == "tasq-1bit":  # calibrated: the same TaSQ configuration as the row's
             continue
-        if name == "kivi-2bit":  # the row uses small groups to fit 4-token blocks and the
-            # 6-token window; the registered groups (32) need a model without windows
+        if name.startswith("kivi-2bit"):  # the rows use small groups to fit 4-token
+            # blocks and the 6-token window; the registered groups (32; 16 under the
+            # window) need a model without windows
             plain = tiny_config()
             model = registry.codec_model(make_model(plain, init_params(plain,
                                                                        jax.random.key(0))),
                                          name)
-            assert all(type(c.codec) is type(_codec(row)) for c in model.caches)
+            kind = lambda c: (type(c), type(getattr(c, "inner", None)))  # noqa: E731
+            assert all(kind(c.codec) == kind(_codec(row)) for c in model.caches)
             continue
         if name == "int4":  # registered with q4_0's 32-channel groups: head_dim 32
             plain = tiny_config(head_dim=32)

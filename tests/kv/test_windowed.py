@@ -50,7 +50,7 @@ def _reference(inner, sink, recent, q, k, v):
     K/V elsewhere (its own rebuilt keys)."""
     t = q.shape[1]
     pos = jnp.broadcast_to(jnp.arange(t)[None], (B, t))
-    k_lo, v_lo = inner.decode(inner.encode(k, v, pos), pos)
+    k_lo, v_lo = inner.decode(_codes(inner, k, v), pos)
     outs = []
     for i in range(t):
         hi = ((jnp.arange(t) < sink) | (jnp.arange(t) > i - recent))[None, :, None, None]
@@ -59,6 +59,22 @@ def _reference(inner, sink, recent, q, k, v):
         outs.append(attend(q[:, i:i + 1], km, vm, pos[:, i:i + 1], pos,
                            jnp.ones((B, t), bool)))
     return jnp.concatenate(outs, axis=1)
+
+
+def _codes(inner, k, v):
+    """The inner codec's records of a whole sequence: token by token, or (KIVI) in whole
+    groups of its bfloat16 K/V, as the window writes them."""
+    t = k.shape[1]
+    if inner.align == 1:
+        return inner.encode(k, v, jnp.broadcast_to(jnp.arange(t)[None], (B, t)))
+    bf = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    return inner.encode_groups(bf(k), bf(v), jnp.ones((B, t), bool))
+
+
+def _kivi():
+    """KIVI 2-bit (keys per channel over groups of 4 positions): a grouped codec, written
+    whole by the window from its own copies (its per-sequence ring unused)."""
+    return KIVICodec(bits=2, key_group=4, value_group=4, residual=4)
 
 
 def _vq():
@@ -78,26 +94,31 @@ def _cq():
                    block=4)
 
 
-@pytest.mark.parametrize("inner", [Int8Codec(), _vq(), _cq()], ids=["int8", "vq", "cq"])
+@pytest.mark.parametrize("inner", [Int8Codec(), _vq(), _cq(), _kivi()],
+                         ids=["int8", "vq", "cq", "kivi"])
 def test_the_window_reads_bf16_inside_and_the_codec_beyond(inner):
     q, k, v = _qkv(0, 24)
     windowed = WindowedCodec(inner, sink=2, recent=5)
     ref = _reference(inner, 2, 5, q, k, v)
-    for cache in (DenseKVCache(windowed), PagedKVCache(windowed, block_size=4)):
+    assert not np.allclose(ref, _reference(inner, 24, 0, q, k, v), atol=1e-3)  # codes read
+    for cache in (DenseKVCache(windowed), PagedKVCache(windowed, block_size=4),
+                  PagedKVCache(windowed, block_size=8)):
         # (a window pool's own table is the engine's: tests/serving/test_engine_window.py)
-        for chunks in ((24,), (7, 1, 1, 9, 6), (1,) * 24):  # any chunking: the same reads
+        # any chunking, a group's write split or not (KIVI): the same reads
+        for chunks in ((24,), (7, 1, 1, 9, 6), (1,) * 24, (3, 5, 2, 14)):
             got = _run(cache, q, k, v, chunks)
             np.testing.assert_allclose(got, ref, atol=2e-5, err_msg=f"{cache.describe()} "
                                        f"chunks {chunks}")
 
 
-@pytest.mark.parametrize("inner", [_vq(), _cq()], ids=["vq-lookup-tables", "cq-rebuild"])
+@pytest.mark.parametrize("inner", [_vq(), _cq(), _kivi()],
+                         ids=["vq-lookup-tables", "cq-rebuild", "kivi-rebuild"])
 def test_a_codecs_own_scores_and_values_equal_its_rebuilt_kv(inner):
     """decode_scores / weighted_values (the window's fast decode step) read the codes the
     codec's way and agree with the dense K/V its `decode` rebuilds, on fresh inputs."""
-    q, k, v = _qkv(5, 11)
-    pos = jnp.broadcast_to(jnp.arange(11)[None], (B, 11))
-    records = inner.encode(k, v, pos)
+    q, k, v = _qkv(5, 12)
+    pos = jnp.broadcast_to(jnp.arange(12)[None], (B, 12))
+    records = _codes(inner, k, v)
     k_lo, v_lo = inner.decode(records, pos)
     scores = inner.decode_scores(q[:, 0], records)
     np.testing.assert_allclose(scores, gqa_scores(q[:, :1], k_lo)[:, :, :, 0], atol=2e-5)
@@ -111,7 +132,8 @@ def test_shorter_than_sink_plus_window_is_exactly_bf16():
     bf16 = _run(DenseKVCache(FloatCodec("bfloat16")), q, k, v, (8, 1, 1, 1, 1))
     for cache in (DenseKVCache(WindowedCodec(Int8Codec(), 4, 8)),
                   PagedKVCache(WindowedCodec(_vq(), 4, 8), block_size=4),
-                  PagedKVCache(WindowedCodec(_cq(), 4, 8), block_size=4)):
+                  PagedKVCache(WindowedCodec(_cq(), 4, 8), block_size=4),
+                  PagedKVCache(WindowedCodec(_kivi(), 4, 8), block_size=4)):
         got = _run(cache, q, k, v, (8, 1, 1, 1, 1))
         assert np.array_equal(np.asarray(got[:, :8]), np.asarray(bf16[:, :8])), cache.describe()
         # a codec scoring its own codes takes the fast decode step: one softmax over its
@@ -135,12 +157,17 @@ def test_no_window_is_the_inner_codec():
         np.testing.assert_allclose(got, plain, atol=2e-5, err_msg=inner.describe())
 
 
-def test_the_ring_layout_reads_the_same_window():
+@pytest.mark.parametrize("inner", [Int8Codec(), _kivi()], ids=["int8", "kivi"])
+def test_the_ring_layout_reads_the_same_window(inner):
     q, k, v = _qkv(3, 20)
-    windowed = WindowedCodec(Int8Codec(), sink=0, recent=4)
-    ring = _run(WindowKVCache(window=8, codec=windowed), q, k, v, (5, 5, 5, 5), window=8)
+    windowed = WindowedCodec(inner, sink=0, recent=4)
+    ring = WindowKVCache(window=12, codec=windowed)  # >= 8 + align - 1: whole groups
     dense = _run(DenseKVCache(windowed), q, k, v, (20,), window=8)
-    np.testing.assert_allclose(ring, dense, atol=2e-5)
+    for chunks in ((5, 5, 5, 5), (1,) * 20):
+        np.testing.assert_allclose(_run(ring, q, k, v, chunks, window=8), dense, atol=2e-5)
+    if inner.align > 1:  # a ring of just the window would split its oldest group
+        with pytest.raises(ValueError, match=r"plus align - 1 \(3\) slots"):
+            _run(WindowKVCache(window=8, codec=windowed), q, k, v, (20,), window=8)
 
 
 def test_the_model_with_a_window_matches_bf16_on_a_short_prompt(tiny):
@@ -163,8 +190,11 @@ def test_refusals_name_the_problem(tiny):
         WindowedCodec(Int8Codec(), sink=True)
     with pytest.raises(ValueError, match="already has a full-precision window"):
         WindowedCodec(WindowedCodec(Int8Codec()))
-    with pytest.raises(ValueError, match="per-sequence state"):
-        WindowedCodec(KIVICodec(bits=2, key_group=2, value_group=4, residual=2, rollback=4))
+    with pytest.raises(ValueError, match="a position is read from codes only once its "
+                       "group is whole"):
+        WindowedCodec(KIVICodec(bits=2, key_group=8, value_group=4, residual=8), recent=4)
+    with pytest.raises(TypeError, match="writes whole groups"):
+        WindowedCodec(_kivi()).encode(*_qkv(0, 4)[1:], jnp.zeros((B, 4), jnp.int32))
     windowed, _ = calibrate_and_apply(kv_window(), tiny, None)
     with pytest.raises(TypeError, match="pass window_blocks >= 1"):
         PagedPool(windowed, n_blocks=8, block_size=4, max_len=16)

@@ -5,7 +5,10 @@ preemption by recompute, prefix-cache hits and forks; window pages stay bounded 
 consistent, and none is leaked."""
 import pytest
 
+from research.kv.codec import FloatCodec
 from research.kv.layouts import kv_window
+from research.tasq.baselines import kivi_kv
+from research.transforms import chain
 from research.serving.api import Request, SamplingParams
 from research.transforms import calibrate_and_apply
 from tests.serving.test_engine import (PROMPTS, TOK, _engine, _greedy, _reference, _run,
@@ -20,6 +23,15 @@ def windowed(model):  # noqa: F811
     return calibrate_and_apply(kv_window(SINK, RECENT), model, None)[0]
 
 
+@pytest.fixture(scope="module")
+def windowed_kivi(model):  # noqa: F811
+    """KIVI 2-bit (key groups of one 8-token block) under the window: a grouped codec,
+    each group written whole from the window's own bf16 copies (no per-sequence ring)."""
+    base = model.replace(caches=tuple(c.replace(codec=FloatCodec()) for c in model.caches))
+    kivi = chain(kivi_kv(bits=2, key_group=8, value_group=8), kv_window(SINK, RECENT))
+    return calibrate_and_apply(kivi, base, None)[0]
+
+
 def _pages_in_use(engine):
     pages = engine.pool.window_pages
     pages.check_consistency()
@@ -27,7 +39,18 @@ def _pages_in_use(engine):
     return pages.pages.n_used
 
 
-def test_the_windowed_engine_equals_generate(windowed, model):  # noqa: F811
+@pytest.fixture(params=["tasq", "kivi"])
+def served(request, model):  # noqa: F811
+    """(windowed model, the same codec without the window) per inner codec."""
+    if request.param == "tasq":
+        return request.getfixturevalue("windowed"), model
+    kivi = request.getfixturevalue("windowed_kivi")
+    return kivi, kivi.replace(caches=tuple(c.replace(codec=c.codec.inner)
+                                           for c in kivi.caches))
+
+
+def test_the_windowed_engine_equals_generate(served):
+    windowed, model = served
     engine = _engine(windowed, n_blocks=10, speculative=3, warmup=False)
     assert engine.pool.window_pages is not None and engine.pool.window_bytes > 0
     # short prompts, all arriving at once; 12 tokens each: every read is inside S + W
@@ -84,7 +107,8 @@ def test_a_prefix_hit_is_used_as_far_as_its_window_pages_exist(windowed, model):
     assert _pages_in_use(engine) == 1
 
 
-def test_windowed_forks_decode_generates_tokens(windowed):
+def test_windowed_forks_decode_generates_tokens(served):
+    windowed, _ = served
     eng = _engine(windowed, prefix_cache=False, n_blocks=24, warmup=False)
     prompt = tuple(TOK.encode("one prompt forked into three decode rows"))  # 40 > S + W
     src = eng.prefill(Request("f0", prompt, SamplingParams(max_new_tokens=6)))
