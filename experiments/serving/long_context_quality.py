@@ -14,7 +14,8 @@ What:      SmolLM2-135M-Instruct, f32 weights, each registered KV codec (`codecs
            scored given the rest (prefilled through the codec's cache in `chunk`-token
            pieces): mean per-token KL(bf16 || codec), top-1 agreement and both
            continuation perplexities (research/eval/divergence.py);
-           (b) passkey retrieval (research/eval/passkey.py): `passkey.trials` prompts of
+           (b) passkey retrieval (research/eval/passkey.py; `passkey.trials=0` skips it:
+           a quality-only run, no passkey column): `passkey.trials` prompts of
            ~`length` tokens (at 8k: 8192 - max_new_tokens), a random 5-digit key at
            depths spread evenly over 0-100% of filler read from the split's text, greedy
            decoding, the first number answered vs the key.

@@ -9,9 +9,12 @@ from experiments import common, protocol
 from research import data
 
 TECHNIQUE = "serving"
-DEFAULTS_CHOSEN_ON = ("not yet: continuation, passkey template and max_new_tokens are to "
-                      "be chosen with --config.split=dev before the test run; the codecs "
-                      "run at their own dev-chosen defaults")
+DEFAULTS_CHOSEN_ON = ("none tuned: continuation 512 and chunk 512 fixed a priori (no dev "
+                      "run compared others); passkey template and max_new_tokens not yet "
+                      "chosen on dev (a quality-only run, passkey.trials=0, scores no "
+                      "prompt); the codecs run at their own dev-chosen defaults (window "
+                      "S=4, W=128 and served-position calibration: "
+                      "scripts/dev_tasq_calibration_positions.py)")
 
 COLUMNS = ["length", "codec", "kv_bytes_per_token", "kl", "top1", "ppl", "ref_ppl",
            "passkey_acc", "passkey_tokens"]
@@ -58,8 +61,11 @@ def run_items(tok, config, max_position: int):
     out = {}
     for length in config.lengths:
         wins, starts = spread_windows(ids, config.windows, length)
-        trials = passkey_trials(tok, passkey_length(length, max_position, p.max_new_tokens),
-                                p.trials, config.seed, text, template=p.template)
+        if p.trials < 0:
+            raise ValueError(f"passkey.trials must be >= 0 (0: no passkey), got {p.trials}")
+        trials = [] if p.trials == 0 else passkey_trials(
+            tok, passkey_length(length, max_position, p.max_new_tokens), p.trials,
+            config.seed, text, template=p.template)
         out[length] = (wins, starts, trials)
     return out
 
@@ -107,20 +113,24 @@ def run(config, out_dir) -> common.Report:
               flush=True)
         for codec in codecs:
             t0 = time.perf_counter()
-            pk = passkey_accuracy(served[codec], tok, trials, max_new_tokens=p.max_new_tokens,
-                                  batch_size=p.batch, prefill_chunk=config.chunk)
+            pk = None if not trials else passkey_accuracy(
+                served[codec], tok, trials, max_new_tokens=p.max_new_tokens,
+                batch_size=p.batch, prefill_chunk=config.chunk)
             pk_s = time.perf_counter() - t0
             d = div[codec]
             row = {"length": length, "codec": codec,
                    "kv_bytes_per_token": bytes_per_token[codec], "kl": d.kl,
                    "top1": d.top1, "ppl": d.ppl, "ref_ppl": d.ref_ppl,
-                   "passkey_acc": pk.accuracy,
-                   "passkey_tokens": int(np.mean([len(t.ids) for t in trials])),
+                   # no trials (passkey.trials=0): not measured, so no number
+                   "passkey_acc": pk.accuracy if trials else None,
+                   "passkey_tokens": int(np.mean([len(t.ids) for t in trials]))
+                   if trials else None,
                    "kl_tokens": d.n_tokens, "window_kl": d.window_kl,
                    "window_top1": d.window_top1, "passkey_s": pk_s}
-            per_trial[f"{codec}@{length}"] = [
-                {"depth": t.depth, "key": t.key, "answer": a, "correct": ok}
-                for t, a, ok in zip(trials, pk.answers, pk.correct)]
+            if trials:
+                per_trial[f"{codec}@{length}"] = [
+                    {"depth": t.depth, "key": t.key, "answer": a, "correct": ok}
+                    for t, a, ok in zip(trials, pk.answers, pk.correct)]
             print({k: row[k] for k in COLUMNS}, f"passkey {pk_s:.0f}s", flush=True)
             rows.append(row)
         timings.append({"length": length, "windows": len(wins), "codecs": len(codecs),
@@ -129,7 +139,7 @@ def run(config, out_dir) -> common.Report:
                         / (len(codecs) + 1),
                         "passkey_s_per_trial": float(np.mean(
                             [r["passkey_s"] for r in rows if r["length"] == length]))
-                        / len(trials)})
+                        / len(trials) if trials else None})
     split = config.get("split", "test")
     notes = [f"{split} split: " + ("the pydoc dev half (6.7k tokens, read cyclically where "
                                    "longer: dev numbers choose settings, they are not "
@@ -140,9 +150,10 @@ def run(config, out_dir) -> common.Report:
              f"windows per length given the rest, prefilled through each codec's cache in "
              f"{config.chunk}-token pieces; kl = mean per-token KL({config.reference} KV "
              f"|| codec) in nats; ref_ppl: the {config.reference}-KV model's perplexity",
-             f"passkey_acc: {p.trials} trials per length ({p.template} prompt, "
-             f"passkey_tokens on average, key at depths 0-100%), greedy, "
-             f"{p.max_new_tokens} new tokens, the first number before a newline vs the key",
+             (f"passkey_acc: {p.trials} trials per length ({p.template} prompt, "
+              f"passkey_tokens on average, key at depths 0-100%), greedy, "
+              f"{p.max_new_tokens} new tokens, the first number before a newline vs the key"
+              if p.trials else "passkey: not run (passkey.trials=0), no prompts scored"),
              "calibrated codecs calibrated on "
              f"{config.calibration_seqs} x 256 tokens of the calibration split"]
     return common.Report(
@@ -159,7 +170,7 @@ def _plot(fig, rows, codecs):
                                       ("passkey_acc", "passkey accuracy"))):
         ax = fig.add_subplot(1, 2, i + 1)
         for codec in codecs:
-            sub = [r for r in rows if r["codec"] == codec]
+            sub = [r for r in rows if r["codec"] == codec and r[key] is not None]
             ax.plot([r["length"] for r in sub], [r[key] for r in sub], "o-", label=codec)
         ax.set_xscale("log", base=2)
         if key == "kl":

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import common
 from experiments.serving import long_context_quality as cfg
 from experiments.serving import long_context_quality_experiment as lcq
 from research.model import init_params, tiny_config
@@ -34,6 +35,18 @@ def test_config_and_windows():
         lcq.spread_windows(ids, 0, 40)
     assert lcq.passkey_length(8192, 8192, 8) == 8184 == lcq.passkey_length(9000, 8192, 8)
     assert lcq.passkey_length(2048, 8192, 8) == 2048
+
+
+def test_no_passkey_trials_is_a_quality_only_run():
+    tok = common.tokenizer_only(None)
+    config = cfg.get_config("smoke")
+    config.split, config.lengths = "dev", (600,)
+    config.passkey.trials = 0
+    ((wins, starts, trials),) = lcq.run_items(tok, config, 8192).values()
+    assert wins.shape == (2, 600) and trials == []
+    config.passkey.trials = -1
+    with pytest.raises(ValueError, match="passkey.trials"):
+        lcq.run_items(tok, config, 8192)
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: three codecs, two lengths, through experiments.run
