@@ -57,8 +57,9 @@ class KVView(NamedTuple):
     """What a layout hands a codec to attend over (S storage slots per row).
 
     positional: slot s of every row holds position s (dense and paged layouts), so a row's
-      valid slots are exactly [0, lengths[b]) and position-aware fast paths (decode
-      kernels, pre-RoPE block readers) may assume it. False for the window ring.
+      valid slots are exactly [0, lengths[b]), its queries are at start + arange(T), and
+      position-aware fast paths (decode kernels, pre-RoPE block readers, the window's
+      banded chunk read) may assume it. False for the window ring.
     lengths: [B] tokens each row holds after the write (positional layouts only).
     """
 

@@ -12,10 +12,14 @@ reads it (rebuilt K/V: `inner.decode`); the choice is per query, so a prefill ch
 every position as decode would reach it, whatever the chunking. A decode step of a codec
 that scores its own codes (`KVCodec.decode_scores`: TaSQ's pre-RoPE rebuild read, the
 post-RoPE lookup tables) reads them at the codec's speed and only the S + W window tokens
-in bf16, one softmax over both. SmolLM2's whole-model decode at batch 4 x 8k, paged, on a
+in bf16, one softmax over both; a prefill chunk of t tokens scores the rebuilt K/V once
+and from the copies only the sink and the band of S + W + t - 1 positions its queries read
+in bf16 (`_chunk_attend`; a context inside S + W is read slot by slot, bf16's read
+exactly). SmolLM2's whole-model decode at batch 4 x 8k, paged, on a
 2-core CPU (`python scripts/bench_decode_step_long.py --steps 7 --codecs
 bf16,tasq-1bit-post,tasq-1bit-post+w128`): bf16 9.44 tok/s, post-RoPE TaSQ 1-bit 20.43
-(2.16x), with the window 19.14 (2.03x).
+(2.16x), with the window 19.14 (2.03x) one day; 1.42-1.54x and 1.33-1.39x on another day
+of the same shared VM (two runs; issue 44's note): not a settled 2x.
 
 Where the copies live is the layout's business: dense and ring layouts keep one per slot
 (they are for development: their arrays are larger than bf16's); the paged layout keeps the
@@ -29,11 +33,12 @@ registry serves
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import Array
 
 from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
 from research.kv.codec import KVCodec, KVView, Written
@@ -133,6 +138,17 @@ class WindowedCodec(KVCodec):
             out = self._decode_step(q, view)
             if out is not None:
                 return out
+        if q.shape[1] > 1 and view.positional and view.lengths is not None:
+            # a context inside S + W is all window: the slot-by-slot read is bf16's exactly
+            # and cheap; longer ones score the codes once and only the window band twice
+            return jax.lax.cond(jnp.max(view.lengths) <= self.sink + self.recent,
+                                lambda: self._attend_by_slot(q, view),
+                                lambda: self._chunk_attend(q, view))
+        return self._attend_by_slot(q, view)
+
+    def _attend_by_slot(self, q, view: KVView):
+        """Any view: each slot scored both from the copies and from the rebuilt K/V, the
+        query's choice kept (two whole-context score and value passes)."""
         k_lo, v_lo = self.inner.decode(self._inner_records(view.records), view.kv_pos)
         k_hi, v_hi = view.records["k_hi"], view.records["v_hi"]
         mask = attention_mask(view.q_pos, view.kv_pos, view.kv_valid, view.window)
@@ -146,6 +162,31 @@ class WindowedCodec(KVCodec):
                             v_lo.astype(jnp.float32)))
         b, t, hq, d = q.shape
         return out.reshape(b, t, hq, d).astype(q.dtype)
+
+    def _chunk_attend(self, q, view: KVView):
+        """t > 1 queries of a positional view (slot s holds position s; q_pos = start +
+        arange(t)): every slot scored once through the rebuilt K/V, and once more from
+        the copies only the sink and the band [q_last - W - t + 2, q_last] that some query
+        of the chunk reads in bf16 (S + W + t - 1 slots); one softmax over both."""
+        t = q.shape[1]
+        k_lo, v_lo = self.inner.decode(self._inner_records(view.records), view.kv_pos)
+        n_slots = view.kv_pos.shape[1]
+        sink = jnp.broadcast_to(jnp.arange(self.sink)[None], (q.shape[0], self.sink))
+        band = view.q_pos[:, -1:] - (self.recent + t - 2) + jnp.arange(self.recent + t - 1)
+        pos_c = jnp.concatenate([sink, band], axis=1).astype(jnp.int32)  # [B, C]
+        idx = jnp.clip(pos_c, 0, n_slots - 1)
+        in_sink = jnp.arange(pos_c.shape[1])[None] < self.sink
+        valid_c = (jnp.take_along_axis(view.kv_valid, idx, axis=1) & (pos_c >= 0)
+                   & (pos_c < n_slots) & (in_sink | (pos_c >= self.sink)))  # sink once
+        take = lambda x: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)  # noqa: E731
+        qp = view.q_pos[:, :, None]
+        in_window = lambda p: (p < self.sink) | (p > qp - self.recent)  # noqa: E731
+        lo_mask = view.mask() & ~in_window(view.kv_pos[:, None, :])
+        hi_mask = (attention_mask(view.q_pos, pos_c, valid_c, view.window)
+                   & in_window(pos_c[:, None, :]))
+        return softmax_over_parts(q, ((gqa_scores(q, k_lo), lo_mask, v_lo),
+                                      (gqa_scores(q, take(view.records["k_hi"])), hi_mask,
+                                       take(view.records["v_hi"]))))
 
     def _decode_step(self, q, view: KVView):
         """One query per row, at the inner codec's speed when it scores its codes
@@ -187,6 +228,25 @@ class WindowedCodec(KVCodec):
     @staticmethod
     def _inner_records(records):
         return {name: x for name, x in records.items() if name not in HI_RECORDS}
+
+
+def softmax_over_parts(q, parts) -> Array:
+    """Attention output [B, T, Hq, D] of one softmax over the masked scores of several
+    parts (scores [B, Hkv, G, T, S_i], mask [B, T, S_i], values [B, S_i, Hkv, D]) without
+    concatenating them; a query with nothing unmasked gets zeros (as
+    `masked_softmax_weights`)."""
+    scores = [jnp.where(m[:, None, None], s, -jnp.inf) for s, m, _ in parts]
+    row_max = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True)
+                                             for s in scores])
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    ps = [jnp.where(m[:, None, None], jnp.exp(s - row_max), 0.0)
+          for s, (_, m, _) in zip(scores, parts)]
+    total = sum(jnp.sum(p, axis=-1, keepdims=True) for p in ps)
+    out = sum(jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+              for p, (_, _, v) in zip(ps, parts))
+    denom = jnp.maximum(jnp.moveaxis(total, 3, 1), jnp.finfo(total.dtype).tiny)  # [B,T,K,G,1]
+    b, t, hq, d = q.shape
+    return (out / denom).reshape(b, t, hq, d).astype(q.dtype)
 
 
 def window_positions(lengths, sink: int, recent: int):

@@ -92,3 +92,9 @@ def test_cpu_windowed_read_bench_dry_run(capsys):
     assert set(report["median_ms"]) == set(report["vs_bf16"]) == {"bf16", "codes",
                                                                   "codes+window"}
     assert report["vs_bf16"]["bf16"] == 1.0
+    # a prefill chunk adds the slot-by-slot window read the banded one replaced
+    windowed_read.main(["--dry-run", "--chunk", "32"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["chunk"] == 32
+    assert set(report["median_ms"]) == {"bf16", "codes", "codes+window",
+                                        "codes+window slot by slot"}
