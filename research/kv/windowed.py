@@ -33,14 +33,13 @@ registry serves
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax import Array
 
-from research.core.attention import attention_mask, gqa_scores, masked_softmax_weights
+from research.core.attention import (attention_mask, attention_partial, gqa_scores,
+                                     masked_softmax_weights, merge_partials)
 from research.kv.codec import KVCodec, KVView, Written
 
 HI_RECORDS = ("k_hi", "v_hi")  # the full-precision copy, beside the inner codec's records
@@ -184,9 +183,12 @@ class WindowedCodec(KVCodec):
         lo_mask = view.mask() & ~in_window(view.kv_pos[:, None, :])
         hi_mask = (attention_mask(view.q_pos, pos_c, valid_c, view.window)
                    & in_window(pos_c[:, None, :]))
-        return softmax_over_parts(q, ((gqa_scores(q, k_lo), lo_mask, v_lo),
-                                      (gqa_scores(q, take(view.records["k_hi"])), hi_mask,
-                                       take(view.records["v_hi"]))))
+        # the codes' part a block of slots at a time (no [T, S] scores at once), the band's
+        # in one piece; one softmax over both
+        return merge_partials((attention_partial(q, k_lo, v_lo, lo_mask),
+                               attention_partial(q, take(view.records["k_hi"]),
+                                                 take(view.records["v_hi"]), hi_mask,
+                                                 block=pos_c.shape[1])), q.dtype)
 
     def _decode_step(self, q, view: KVView):
         """One query per row, at the inner codec's speed when it scores its codes
@@ -228,25 +230,6 @@ class WindowedCodec(KVCodec):
     @staticmethod
     def _inner_records(records):
         return {name: x for name, x in records.items() if name not in HI_RECORDS}
-
-
-def softmax_over_parts(q, parts) -> Array:
-    """Attention output [B, T, Hq, D] of one softmax over the masked scores of several
-    parts (scores [B, Hkv, G, T, S_i], mask [B, T, S_i], values [B, S_i, Hkv, D]) without
-    concatenating them; a query with nothing unmasked gets zeros (as
-    `masked_softmax_weights`)."""
-    scores = [jnp.where(m[:, None, None], s, -jnp.inf) for s, m, _ in parts]
-    row_max = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True)
-                                             for s in scores])
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    ps = [jnp.where(m[:, None, None], jnp.exp(s - row_max), 0.0)
-          for s, (_, m, _) in zip(scores, parts)]
-    total = sum(jnp.sum(p, axis=-1, keepdims=True) for p in ps)
-    out = sum(jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-              for p, (_, _, v) in zip(ps, parts))
-    denom = jnp.maximum(jnp.moveaxis(total, 3, 1), jnp.finfo(total.dtype).tiny)  # [B,T,K,G,1]
-    b, t, hq, d = q.shape
-    return (out / denom).reshape(b, t, hq, d).astype(q.dtype)
 
 
 def window_positions(lengths, sink: int, recent: int):

@@ -142,12 +142,13 @@ def test_shorter_than_sink_plus_window_is_exactly_bf16():
         np.testing.assert_allclose(got[:, 8:], bf16[:, 8:], rtol=0, atol=3e-7,
                                    err_msg=cache.describe())
     # one token more and the earliest non-sink token is read from codes; the chunk then
-    # takes the banded read (codes once, the window band from the copies: one softmax over
-    # both), so its earlier queries, all-window, equal bf16's to float rounding
+    # takes the banded read (codes once, the window band from the copies: one online
+    # softmax over both), so its earlier queries, all-window, equal bf16's to float
+    # rounding (measured: <= 5 ulp)
     q, k, v = _qkv(1, 13)
     bf16 = _run(DenseKVCache(FloatCodec("bfloat16")), q, k, v, (13,))
     got = _run(DenseKVCache(WindowedCodec(Int8Codec(), 4, 8)), q, k, v, (13,))
-    np.testing.assert_allclose(got[:, :12], bf16[:, :12], rtol=0, atol=3e-7)
+    np.testing.assert_allclose(got[:, :12], bf16[:, :12], rtol=1e-6, atol=3e-7)
     assert np.max(np.abs(np.asarray(got[:, 12]) - np.asarray(bf16[:, 12]))) > 1e-4
 
 
