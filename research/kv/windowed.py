@@ -13,7 +13,7 @@ every position as decode would reach it, whatever the chunking. A decode step of
 that scores its own codes (`KVCodec.decode_scores`: TaSQ's pre-RoPE rebuild read, the
 post-RoPE lookup tables) reads them at the codec's speed and only the S + W window tokens
 in bf16, one softmax over both; a prefill chunk of t tokens scores the rebuilt K/V once
-and from the copies only the sink and the band of S + W + t - 1 positions its queries read
+(an online softmax, a block of slots at a time) and from the copies only the sink and the band of S + W + t - 1 positions its queries read
 in bf16 (`_chunk_attend`; a context inside S + W is read slot by slot, bf16's read
 exactly). SmolLM2's whole-model decode at batch 4 x 8k, paged, on a
 2-core CPU (`python scripts/bench_decode_step_long.py --steps 7 --codecs
@@ -32,7 +32,6 @@ registry serves
 "tasq-1bit+w128" (S = 4, W = 128: scripts/dev_tasq_calibration_positions.py, dev split).
 """
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +138,7 @@ class WindowedCodec(KVCodec):
                 return out
         if q.shape[1] > 1 and view.positional and view.lengths is not None:
             # a context inside S + W is all window: the slot-by-slot read is bf16's exactly
-            # and cheap; longer ones score the codes once and only the window band twice
+            # and cheap; longer ones score the codes once and the window's band apart
             return jax.lax.cond(jnp.max(view.lengths) <= self.sink + self.recent,
                                 lambda: self._attend_by_slot(q, view),
                                 lambda: self._chunk_attend(q, view))
