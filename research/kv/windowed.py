@@ -13,10 +13,10 @@ every position as decode would reach it, whatever the chunking. A decode step of
 that scores its own codes (`KVCodec.decode_scores`: TaSQ's pre-RoPE rebuild read, the
 post-RoPE lookup tables) reads them at the codec's speed and only the S + W window tokens
 in bf16, one softmax over both; a prefill chunk of t tokens scores the rebuilt K/V once
-(an online softmax, a block of slots at a time) and from the copies only the sink and the band of S + W + t - 1 positions its queries read
-in bf16 (`_chunk_attend`; a context inside S + W is read slot by slot, bf16's read
-exactly). SmolLM2's whole-model decode at batch 4 x 8k, paged, on a
-2-core CPU (`python scripts/bench_decode_step_long.py --steps 7 --codecs
+(an online softmax, a block of slots at a time) and from the copies only the sink and the
+band of S + W + t - 1 positions its queries read in bf16 (`_chunk_attend`; a context
+inside S + W is read slot by slot, bf16's read exactly). SmolLM2's whole-model decode at
+batch 4 x 8k, paged, on a 2-core CPU (`python scripts/bench_decode_step_long.py --steps 7 --codecs
 bf16,tasq-1bit-post,tasq-1bit-post+w128`): bf16 9.44 tok/s, post-RoPE TaSQ 1-bit 20.43
 (2.16x), with the window 19.14 (2.03x) one day; 1.42-1.54x and 1.33-1.39x on another day
 of the same shared VM (two runs; issue 44's note): not a settled 2x.
@@ -149,9 +149,8 @@ class WindowedCodec(KVCodec):
         query's choice kept (two whole-context score and value passes)."""
         k_lo, v_lo = self.inner.decode(self._inner_records(view.records), view.kv_pos)
         k_hi, v_hi = view.records["k_hi"], view.records["v_hi"]
-        mask = attention_mask(view.q_pos, view.kv_pos, view.kv_valid, view.window)
-        qp, kp = view.q_pos[:, :, None], view.kv_pos[:, None, :]
-        hi = (kp < self.sink) | (kp > qp - self.recent)  # [B, T, S]
+        mask = view.mask()
+        hi = self._reads_copy(view.q_pos, view.kv_pos)  # [B, T, S]
         hi, mask = hi[:, None, None], mask[:, None, None]  # [B, 1, 1, T, S]
         scores = jnp.where(hi, gqa_scores(q, k_hi), gqa_scores(q, k_lo))
         w = masked_softmax_weights(scores, mask)
@@ -168,20 +167,15 @@ class WindowedCodec(KVCodec):
         of the chunk reads in bf16 (S + W + t - 1 slots); one softmax over both."""
         t = q.shape[1]
         k_lo, v_lo = self.inner.decode(self._inner_records(view.records), view.kv_pos)
-        n_slots = view.kv_pos.shape[1]
-        sink = jnp.broadcast_to(jnp.arange(self.sink)[None], (q.shape[0], self.sink))
-        band = view.q_pos[:, -1:] - (self.recent + t - 2) + jnp.arange(self.recent + t - 1)
-        pos_c = jnp.concatenate([sink, band], axis=1).astype(jnp.int32)  # [B, C]
-        idx = jnp.clip(pos_c, 0, n_slots - 1)
-        in_sink = jnp.arange(pos_c.shape[1])[None] < self.sink
-        valid_c = (jnp.take_along_axis(view.kv_valid, idx, axis=1) & (pos_c >= 0)
-                   & (pos_c < n_slots) & (in_sink | (pos_c >= self.sink)))  # sink once
+        # the window of the chunk's last query, widened by t - 1 to its first query's
+        pos_c, valid_c = window_positions(view.q_pos[:, -1] + 1, self.sink,
+                                          self.recent + t - 1)  # [B, C]
+        idx = jnp.clip(pos_c, 0, view.kv_pos.shape[1] - 1)
+        valid_c &= jnp.take_along_axis(view.kv_valid, idx, axis=1)
         take = lambda x: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)  # noqa: E731
-        qp = view.q_pos[:, :, None]
-        in_window = lambda p: (p < self.sink) | (p > qp - self.recent)  # noqa: E731
-        lo_mask = view.mask() & ~in_window(view.kv_pos[:, None, :])
+        lo_mask = view.mask() & ~self._reads_copy(view.q_pos, view.kv_pos)
         hi_mask = (attention_mask(view.q_pos, pos_c, valid_c, view.window)
-                   & in_window(pos_c[:, None, :]))
+                   & self._reads_copy(view.q_pos, pos_c))
         # the codes' part a block of slots at a time (no [T, S] scores at once), the band's
         # in one piece; one softmax over both
         return merge_partials((attention_partial(q, k_lo, v_lo, lo_mask),
@@ -201,9 +195,8 @@ class WindowedCodec(KVCodec):
         pos_c, valid_c, k_c, v_c = self._window_set(view)
         qp = view.q_pos[:, :1]  # [B, 1]
         kp = view.kv_pos
-        in_window = lambda p: (p < self.sink) | (p > qp - self.recent)  # noqa: E731
-        lo_mask = view.kv_valid & (kp <= qp) & ~in_window(kp)
-        hi_mask = valid_c & (pos_c <= qp) & in_window(pos_c)
+        lo_mask = view.kv_valid & (kp <= qp) & ~self._reads_copy(qp, kp)[:, 0]
+        hi_mask = valid_c & (pos_c <= qp) & self._reads_copy(qp, pos_c)[:, 0]
         s_hi = gqa_scores(q, k_c)[:, :, :, 0]  # [B, Hkv, J, C]
         mask = jnp.concatenate([lo_mask, hi_mask], axis=-1)[:, None, None]
         w = masked_softmax_weights(jnp.concatenate([s_lo, s_hi], axis=-1), mask)
@@ -211,6 +204,12 @@ class WindowedCodec(KVCodec):
         out = self.inner.weighted_values(w[..., :n], codes)
         hi = jnp.einsum("bkjc,bckd->bkjd", w[..., n:], v_c.astype(jnp.float32))
         return (out.astype(jnp.float32) + hi.reshape(b, hq, d))[:, None].astype(q.dtype)
+
+    def _reads_copy(self, q_pos, kv_pos):
+        """[B, T, S]: whether a query at q_pos reads kv_pos from the bfloat16 copies (the
+        sink, or its own last `recent` positions)."""
+        qp, kp = q_pos[:, :, None], kv_pos[:, None, :]
+        return (kp < self.sink) | (kp > qp - self.recent)
 
     def _window_set(self, view: KVView):
         """(positions [B, C], valid, K, V [B, C, Hkv, D]) of each row's first S and last
