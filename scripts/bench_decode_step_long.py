@@ -18,28 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
-import jax.numpy as jnp
 
-from research.core.timing import time_interleaved
-from research.kv.paged import paged_kv_cache
-from research.model import forward, load
+from experiments.serving.decode_step import decode_step, time_decode_steps
+from research.model import load
 from research.serving import kv_codecs
 from research.transforms import CalibrationData
-
-
-def _donating(step, model, states):
-    """A decode step on the cache states the last step returned (they are donated)."""
-    held = [states]
-
-    def call():
-        out = step(model, held[0])
-        held[0] = out.cache_states
-        return out.logits
-    return call
 
 
 def main(argv=None):
@@ -52,22 +37,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     model, tok = load(None)
     calib = CalibrationData.from_corpus(tok, 256, 4)
-    tokens = jnp.full((args.batch, 1), 42, jnp.int32)
-    start = jnp.full((args.batch,), args.context, jnp.int32)
-    fns, first = {}, {}
+    fns = {}
     for name in args.codecs.split(","):
         spec = kv_codecs.get(name)
         m = kv_codecs.codec_model(model, name, calibration=calib if spec.calibrated else None)
-        if args.layout == "paged":
-            m = paged_kv_cache(block_size=16).apply(m, ())
-        step = jax.jit(lambda m, states: forward(m, tokens, cache_states=states, start=start,
-                                                 logits="last"), donate_argnums=1)
-        fns[name] = _donating(step, m, m.init_cache(args.batch, args.context + 16))
-        t0 = time.perf_counter()
-        jax.block_until_ready(fns[name]())
-        first[name] = time.perf_counter() - t0
-    times = time_interleaved(fns, warmup=0, repeats=args.steps, alternate=True)
-    tok_s = {n: args.batch / statistics.median(t["wall_s"]) for n, t in times.items()}
+        fns[name] = decode_step(m, args.batch, args.context, paged=args.layout == "paged")
+    seconds, first = time_decode_steps(fns, args.steps)
+    tok_s = {n: args.batch / s for n, s in seconds.items()}
     base = tok_s.get("bf16")
     print(json.dumps({"batch": args.batch, "context": args.context, "steps": args.steps,
                       "layout": args.layout,

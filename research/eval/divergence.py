@@ -65,7 +65,7 @@ _SMALL_SHIFT = 30.0
 
 
 @jax.jit
-def _compare(ref_logits, logits, targets):
+def logit_sums(ref_logits, logits, targets):
     """Per row: sums over positions of KL(ref || model), top-1 agreement, model NLL and
     reference NLL. ref_logits, logits: [b, k, V]; targets: [b, k].
 
@@ -106,11 +106,11 @@ def divergences(reference: Model, models: Mapping[str, Model], windows, n_contex
         for name, model in models.items():
             logits = continuation_logits(model, batch, n_context, chunk=chunk)
             sums[name].append(np.stack([np.asarray(x, np.float64)
-                                        for x in _compare(ref, logits, targets)]))
+                                        for x in logit_sums(ref, logits, targets)]))
             del logits
         del ref
     per_token = wins.shape[1] - n_context
-    return {name: _summarize(np.concatenate(s, axis=1), per_token)
+    return {name: summarize(np.concatenate(s, axis=1), per_token)
             for name, s in sums.items()}
 
 
@@ -121,7 +121,7 @@ def divergence(reference: Model, model: Model, windows, n_context: int, *,
                        batch_size=batch_size, chunk=chunk)["model"]
 
 
-def _summarize(sums: np.ndarray, per_window: int) -> Divergence:
+def summarize(sums: np.ndarray, per_window: int) -> Divergence:
     """Divergence from per-window sums [4, n] over `per_window` positions each."""
     kl, agree, nll, ref_nll = sums
     n_tokens = per_window * sums.shape[1]

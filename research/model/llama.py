@@ -169,7 +169,11 @@ class BlockOutput(NamedTuple):
     nonfinite: Array | None  # [B] bool when check_finite=True: NaN/inf in K/V or output
 
 
-def _project_qkv(c: ModelConfig, p: dict, h: Array, positions: Array):
+def project_qkv(c: ModelConfig, p: dict, h: Array, positions: Array):
+    """(q, k before RoPE, k, v) of the normed residual `h` at `positions` [B, T].
+
+    A public hook: code that writes a layer's K/V without running its attention (e.g.
+    `research.eval.encoded_prefix`) calls this to stay identical to `forward`."""
     b, t, _ = h.shape
     q = layers.linear(h, p["wq"]).reshape(b, t, c.n_heads, c.head_dim)
     k_pre = layers.linear(h, p["wk"]).reshape(b, t, c.n_kv_heads, c.head_dim)
@@ -219,7 +223,7 @@ def decoder_block(model: Model, layer: int, x: Float[Array, "B T D"],
     """
     c, p = model.config, model.params["layers"][layer]
     h = layers.rms_norm(x, p["attn_norm"], c.norm_eps)
-    q, k_pre, k, v = _project_qkv(c, p, h, positions)
+    q, k_pre, k, v = project_qkv(c, p, h, positions)
     window = c.window(layer)
     if cache_state is None:
         attn = attention.attend(q, k, v, positions, positions, valid, window)
