@@ -53,7 +53,7 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.windows = 1 if smoke else 2
     c.continuation = 128 if smoke else 512
     c.passkey = ml_collections.ConfigDict(dict(
-        trials=1 if smoke else 3, template="plain", max_new_tokens=8, tail=64))
+        trials=1 if smoke else 2, template="plain", max_new_tokens=8, tail=64))
     c.batch = 4
     c.decode_steps = 3 if smoke else 5
     c.block_size = 16

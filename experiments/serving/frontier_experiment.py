@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,6 +35,7 @@ def quality(model, served: dict, reference: str, windows, continuation: int) -> 
         win = win[None]
         t0 = time.perf_counter()
         prefix = E.exact_prefix(model, win[:, :n_ctx - 1])
+        jax.block_until_ready(prefix.inputs)
         print(f"exact prefix {time.perf_counter() - t0:.0f}s", flush=True)
         logits = {}
         for codec in [reference] + [c for c in served if c != reference]:
@@ -45,6 +47,8 @@ def quality(model, served: dict, reference: str, windows, continuation: int) -> 
             if codec != reference:
                 del logits[codec]
         del prefix, logits
+    from experiments.serving.overhead_experiment import release_compiled
+    release_compiled()
     return {c: summarize(np.concatenate(s, axis=1), continuation) for c, s in sums.items()}
 
 
@@ -52,6 +56,7 @@ def passkey(model, served: dict, tok, trials, tail: int, max_new_tokens: int) ->
     """Per codec: per trial (answer, correct) of greedy decoding after each prompt, all
     but its last `tail` tokens an exact prefix written into the codec's cache."""
     from research.eval import encoded_prefix as E
+    from experiments.serving.overhead_experiment import release_compiled
     from research.eval.passkey import first_number
     max_len = max(len(t.ids) for t in trials) + max_new_tokens
     out = {c: [] for c in served}
@@ -69,6 +74,7 @@ def passkey(model, served: dict, tok, trials, tail: int, max_new_tokens: int) ->
             out[codec].append({"depth": trial.depth, "key": trial.key, "answer": answer,
                                "correct": answer == trial.key})
         del prefix
+        release_compiled()  # each trial's prefix length compiles its own programs
     return out
 
 
@@ -77,30 +83,43 @@ def speed(served: dict, config) -> dict:
     (module docstring of frontier.py, (d) and (e))."""
     from experiments.serving.decode_step import decode_step, time_decode_steps
     from experiments.serving.long_context_experiment import bytes_per_row
+    from experiments.serving.overhead_experiment import release_compiled
     ctx, bs = config.context, config.block_size
     per_row = {c: bytes_per_row(m, ctx, bs) for c, m in served.items()}
     budget_rows = {c: int(config.budget_gib * 2**30 // b) for c, b in per_row.items()}
+    probe = {c: max(1, min(r, config.budget_probe_rows)) for c, r in budget_rows.items()}
+    # one set of caches at a time (each set: every codec's cache at 8k, GiBs)
     at_batch, first = time_decode_steps(
         {c: decode_step(m, config.batch, ctx, bs) for c, m in served.items()},
         config.decode_steps)
-    probe = {c: max(1, min(r, config.budget_probe_rows)) for c, r in budget_rows.items()}
+    release_compiled()
     at_probe, first_probe = time_decode_steps(
         {c: decode_step(m, probe[c], ctx, bs) for c, m in served.items()},
         config.decode_steps)
+    release_compiled()
     out = {}
     for c in served:
         rows, p = budget_rows[c], probe[c]
-        step = at_probe[c]
         modeled = rows > p
-        if modeled:  # the step grows linearly with rows between the two measured counts
-            per = (at_probe[c] - at_batch[c]) / (p - config.batch)
-            step = at_batch[c] + (rows - config.batch) * per
+        step = step_at_rows(rows, (config.batch, at_batch[c]), (p, at_probe[c]))
         out[c] = {"bytes_per_row": per_row[c], "decode_tok_s": config.batch / at_batch[c],
                   "step_ms": at_batch[c] * 1e3, "seqs_at_budget": rows,
                   "budget_rows_timed": p, "budget_step_ms": step * 1e3,
                   "budget_tok_s": rows / step if rows else 0.0, "budget_modeled": modeled,
                   "compile_s": first[c], "compile_budget_s": first_probe[c]}
     return out
+
+
+def step_at_rows(rows: int, a: tuple[int, float], b: tuple[int, float]) -> float:
+    """Step seconds at `rows`: measured at b's rows, or past them extrapolated along the
+    line through the two measured (rows, seconds) points `a` and `b` (a line that falls,
+    timing noise on steps too small to tell apart, extrapolates flat from b)."""
+    (ra, ta), (rb, tb) = a, b
+    if rows <= rb:
+        return tb
+    if rb <= ra:
+        raise ValueError(f"extrapolating needs b's rows > a's, got {rb} <= {ra}")
+    return tb + (rows - rb) * max(0.0, (tb - ta) / (rb - ra))
 
 
 def run(config, out_dir) -> common.Report:
@@ -122,10 +141,12 @@ def run(config, out_dir) -> common.Report:
     t0 = time.perf_counter()
     div = quality(model, served, ref, wins, config.continuation)
     timings["quality_s"] = time.perf_counter() - t0
+    print(timings, {c: round(d.kl, 5) for c, d in div.items()}, flush=True)
     t0 = time.perf_counter()
     pk = passkey(model, served, tok, trials, config.passkey.tail,
                  config.passkey.max_new_tokens) if trials else {}
     timings["passkey_s"] = time.perf_counter() - t0
+    print(timings, flush=True)
     t0 = time.perf_counter()
     sp = speed({c: served[c] for c in codecs}, config)
     timings["speed_s"] = time.perf_counter() - t0
