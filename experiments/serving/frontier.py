@@ -12,8 +12,8 @@ What:      SmolLM2-135M-Instruct, f32 weights, every KV codec in `codecs`
            (b) quality against the bf16-KV model over `windows` windows of the fresh test
            text: the last `continuation` tokens scored given the rest, the rest computed
            once with exact attention and written into each codec's cache
-           (research/eval/encoded_prefix.py: kinder than serving, which prefills through
-           the codec in chunks; experiments/serving/long_context_quality.py runs that),
+           (research/eval/encoded_prefix.py: no compounding through a chunked prefill, as
+           serving has; experiments/serving/long_context_quality.py runs that),
            KL(bf16 KV || codec), top-1 agreement, continuation perplexity;
            (c) passkey retrieval: `passkey.trials` prompts of ~`context` tokens, the key at
            depths spread over 0-100%, all but the last `passkey.tail` tokens computed

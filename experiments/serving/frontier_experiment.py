@@ -213,8 +213,8 @@ def _notes(config, n_windows: int, n_trials: int) -> list[str]:
         f"{config.get('split', 'test')} split; quality: the last {config.continuation} tokens"
         f" of {n_windows} window(s) of {config.context} tokens, the rest computed once with "
         "exact attention and written into each codec's cache (research/eval/"
-        "encoded_prefix.py; kinder than serving, which prefills through the codec in "
-        "chunks); kl = mean per-token KL(bf16 KV || codec), nats",
+        "encoded_prefix.py; serving prefills through the codec in chunks, so its errors "
+        "compound, these do not); kl = mean per-token KL(bf16 KV || codec), nats",
         f"passkey_acc: {n_trials} trial(s) of ~{config.context} tokens, all but the last "
         f"{p.tail} computed exactly, the tail and {p.max_new_tokens} greedy tokens read "
         "through the codec" if n_trials else "passkey: not run (passkey.trials=0)",
