@@ -9,6 +9,7 @@ import numpy as np
 
 from experiments import common
 from experiments.serving import long_context_quality_experiment as lcq
+from experiments.serving.overhead_experiment import release_compiled
 
 TECHNIQUE = "serving"
 DEFAULTS_CHOSEN_ON = lcq.DEFAULTS_CHOSEN_ON
@@ -47,7 +48,6 @@ def quality(model, served: dict, reference: str, windows, continuation: int) -> 
             if codec != reference:
                 del logits[codec]
         del prefix, logits
-    from experiments.serving.overhead_experiment import release_compiled
     release_compiled()
     return {c: summarize(np.concatenate(s, axis=1), continuation) for c, s in sums.items()}
 
@@ -56,7 +56,6 @@ def passkey(model, served: dict, tok, trials, tail: int, max_new_tokens: int) ->
     """Per codec: per trial (answer, correct) of greedy decoding after each prompt, all
     but its last `tail` tokens an exact prefix written into the codec's cache."""
     from research.eval import encoded_prefix as E
-    from experiments.serving.overhead_experiment import release_compiled
     from research.eval.passkey import first_number
     max_len = max(len(t.ids) for t in trials) + max_new_tokens
     out = {c: [] for c in served}
@@ -83,7 +82,6 @@ def speed(served: dict, config) -> dict:
     (module docstring of frontier.py, (d) and (e))."""
     from experiments.serving.decode_step import decode_step, time_decode_steps
     from experiments.serving.long_context_experiment import bytes_per_row
-    from experiments.serving.overhead_experiment import release_compiled
     ctx, bs = config.context, config.block_size
     per_row = {c: bytes_per_row(m, ctx, bs) for c, m in served.items()}
     budget_rows = {c: int(config.budget_gib * 2**30 // b) for c, b in per_row.items()}
