@@ -53,23 +53,24 @@ def encode(x: Float[Array, "B T H D"], codebook: Float[Array, "Hc G K g"]
     """Nearest centroid (L2) of every channel group.
 
     Distances are laid out [K, N] and reduced with `nearest` (one integer min): the chosen
-    centroid is within a relative 2^-15 of the true nearest distance.
+    centroid is within a relative 2^-15 of the true nearest distance. The (head, group)
+    pairs run as one `lax.map` body rather than H * G unrolled copies: a whole-model TaSQ
+    decode step compiled ~5x faster that way on CPU (48 copies per layer at 1 bit), and a
+    [K, N] tile per pair stays in cache (4x faster than the unrolled loop at N = 7,680).
     """
     b, t, h, d = x.shape
-    hc, g, _, gs = codebook.shape
-    xg = x.astype(jnp.float32).reshape(b * t, h, g, gs)
-    cb = codebook.astype(jnp.float32)
-    codes = []
-    for hi in range(h):
-        per_group = []
-        for gi in range(g):
-            c = cb[hi if hc > 1 else 0, gi]  # [K, gs]
-            xs = xg[:, hi, gi]  # [N, gs]
-            dist = (jnp.sum(c * c, -1)[:, None] - 2 * c @ xs.T
-                    + jnp.sum(xs * xs, -1)[None, :])
-            per_group.append(nearest(dist)[0])
-        codes.append(jnp.stack(per_group, axis=-1))
-    return jnp.stack(codes, axis=1).reshape(b, t, h, g).astype(jnp.uint8)
+    hc, g, k, gs = codebook.shape
+    xg = x.astype(jnp.float32).reshape(b * t, h * g, gs).transpose(1, 0, 2)  # [H*G, N, gs]
+    cb = jnp.broadcast_to(codebook.astype(jnp.float32), (h, g, k, gs)).reshape(h * g, k, gs)
+
+    def pair(c_and_x):
+        c, xs = c_and_x  # [K, gs], [N, gs]
+        dist = (jnp.sum(c * c, -1)[:, None] - 2 * c @ xs.T
+                + jnp.sum(xs * xs, -1)[None, :])
+        return nearest(dist)[0]
+
+    codes = jax.lax.map(pair, (cb, xg))  # [H*G, N]
+    return codes.T.reshape(b, t, h, g).astype(jnp.uint8)
 
 
 def permute_channels(x: Float[Array, "B T H D"], perm: Int[Array, "Hp D"]) -> Array:
