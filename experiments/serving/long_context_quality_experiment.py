@@ -94,12 +94,10 @@ def run(config, out_dir) -> common.Report:
     from research.serving import kv_codecs
     model, tok = load(config.gguf_path or None)
     codecs = [common.kv_codec_name(c) for c in config.codecs]
-    reference = kv_codecs.served_model(model, tok, common.kv_codec_name(config.reference),
-                                       seed=config.seed,
-                                       calibration_seqs=config.calibration_seqs)
-    served = {c: kv_codecs.served_model(model, tok, c, seed=config.seed,
-                                        calibration_seqs=config.calibration_seqs)
-              for c in codecs}
+    ref = common.kv_codec_name(config.reference)
+    built = kv_codecs.served_models(model, tok, [ref] + codecs, seed=config.seed,
+                                    calibration_seqs=config.calibration_seqs)
+    reference, served = built[ref], {c: built[c] for c in codecs}
     bytes_per_token = {c: block_bytes(served[c], 16) / 16 for c in codecs}
     items = run_items(tok, config, model.config.max_position)
     p = config.passkey

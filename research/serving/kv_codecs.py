@@ -34,13 +34,17 @@ class CodecSpec:
     codec with knobs an experiment may pin also takes them as keywords: `codec_model`'s
     `options`).
     calibrated: `make(seed)` needs CalibrationData. pages: servable from a shared paged
-    pool (no per-sequence state). summary: one line for `--help` and docs."""
+    pool (no per-sequence state). summary: one line for `--help` and docs.
+    window_over: for a codec that is another registered codec under a bfloat16 window,
+    (that codec's name, sink, recent): `make` is then that chain, and `served_models`
+    reuses the inner codec's calibration when both are built."""
 
     name: str
     make: Callable[..., Transform]
     calibrated: bool
     pages: bool
     summary: str
+    window_over: tuple[str, int, int] | None = None
 
     def __post_init__(self):
         if not self.name or any(c.isspace() for c in self.name):
@@ -95,6 +99,28 @@ def codec_model(model, name: str, *, calibration: CalibrationData | None = None,
     return calibrate_and_apply(transform, model, calibration if spec.calibrated else None)[0]
 
 
+def served_models(model, tokenizer, names, *, seed: int = 0, calibration_seqs: int = 16,
+                  calibration_len: int = 256) -> dict:
+    """{name: served_model(...)} for several codecs, each calibrated once: a windowed codec
+    whose inner codec is also named wraps that served model in its window instead of
+    calibrating the inner codec again (the same state: same seed, same data)."""
+    names = list(dict.fromkeys(names))
+    specs = [get(n) for n in names]
+    calibration = None
+    if any(s.calibrated for s in specs):
+        calibration = CalibrationData.from_corpus(tokenizer, calibration_len, calibration_seqs)
+    out = {}
+    for spec in sorted(specs, key=lambda s: s.window_over is not None):  # inner codecs first
+        inner = spec.window_over and out.get(spec.window_over[0])
+        if inner is not None:
+            from research.kv.layouts import kv_window
+            out[spec.name] = kv_window(*spec.window_over[1:]).apply(inner, None)
+        else:
+            out[spec.name] = codec_model(model, spec.name, seed=seed,
+                                         calibration=calibration if spec.calibrated else None)
+    return {n: out[n] for n in names}
+
+
 def served_model(model, tokenizer, name: str, *, seed: int = 0, calibration_seqs: int = 16,
                  calibration_len: int = 256):
     """`codec_model` with a calibrated codec calibrated on the calibration split of the
@@ -143,12 +169,21 @@ def _tasq(key_space, bits=1, key_read="rebuild"):
 
 
 def _windowed(make_inner, sink: int, recent: int):
-    """A registered codec with a bfloat16 sink + recent window over it (windowed.py)."""
+    """A codec with a bfloat16 sink + recent window over it (windowed.py)."""
     def make(seed, **options):
         from research.kv.layouts import kv_window
         from research.transforms import chain
         return chain(make_inner(seed, **options), kv_window(sink, recent))
     return make
+
+
+def _windowed_row(name: str, inner: str, sink: int, recent: int, calibrated: bool,
+                  summary: str) -> CodecSpec:
+    """The row of registered codec `inner` under a bfloat16 sink + recent window (`inner`
+    is looked up when the codec is made, so rows may come in any order)."""
+    def make(seed, **options):
+        return _windowed(get(inner).make, sink, recent)(seed, **options)
+    return CodecSpec(name, make, calibrated, True, summary, window_over=(inner, sink, recent))
 
 
 def _kivi2(seed, key_group=32):
@@ -185,11 +220,11 @@ BUILTIN = (
               "through one rotated lookup table per query (no key rebuild; calibrated)"),
     CodecSpec("tasq-2bit", _tasq("pre_rope", bits=2), True, True,
               "TaSQ 2-bit VQ codes, keys before RoPE (calibrated)"),
-    CodecSpec("tasq-1bit+w128", _windowed(_tasq("pre_rope"), 4, 128), True, True,
-              "tasq-1bit with the first 4 and each query's last 128 tokens read from "
-              "bfloat16 window pages (sink + recent window; calibrated)"),
-    CodecSpec("tasq-1bit-post+w128", _windowed(_tasq("post_rope"), 4, 128), True, True,
-              "tasq-1bit-post with the same bfloat16 sink + recent window (calibrated)"),
+    _windowed_row("tasq-1bit+w128", "tasq-1bit", 4, 128, True,
+                  "tasq-1bit with the first 4 and each query's last 128 tokens read from "
+                  "bfloat16 window pages (sink + recent window; calibrated)"),
+    _windowed_row("tasq-1bit-post+w128", "tasq-1bit-post", 4, 128, True,
+                  "tasq-1bit-post with the same bfloat16 sink + recent window (calibrated)"),
     # KIVI's residual is the window itself (its ring unused); key groups of 16 positions,
     # the serving block (paged blocks hold whole groups; KIVI's paper groups 32)
     CodecSpec("kivi-2bit+w128", _windowed(lambda seed: _kivi2(seed, key_group=16), 4, 128),

@@ -88,6 +88,39 @@ def test_a_calibrated_codec_needs_calibration(base):
         registry.codec_model(base, "tasq-1bit")
 
 
+class _AsciiTokenizer:
+    """Corpus text into the tiny model's 128-token vocabulary (calibration only)."""
+
+    def encode(self, text):
+        return [ord(c) % 128 for c in text]
+
+
+def test_served_models_calibrates_a_windowed_codecs_inner_codec_once(base, monkeypatch):
+    from research.model import forward
+    from research.tasq import transform as tasq_transform
+    calls = []
+    calibrate = tasq_transform.calibrate_state
+    monkeypatch.setattr(tasq_transform, "calibrate_state",
+                        lambda *a, **k: calls.append(1) or calibrate(*a, **k))
+    names = ["tasq-1bit+w128", "int8", "tasq-1bit", "tasq-1bit+w128"]
+    tok = _AsciiTokenizer()
+    together = registry.served_models(base, tok, names, seed=3, calibration_seqs=2,
+                                      calibration_len=64)
+    assert list(together) == ["tasq-1bit+w128", "int8", "tasq-1bit"] and len(calls) == 1
+    assert registry.get("tasq-1bit+w128").window_over == ("tasq-1bit", 4, 128)
+    tokens = jnp.asarray([tok.encode("a windowed codec reads its sink and recent tokens " * 4)])
+    for name in ("tasq-1bit+w128", "tasq-1bit"):  # each equals the codec built on its own
+        alone = registry.served_model(base, tok, name, seed=3, calibration_seqs=2,
+                                      calibration_len=64)
+        assert [c.describe() for c in together[name].caches] == [
+            c.describe() for c in alone.caches]
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                         together[name].params, alone.params))
+        assert jnp.array_equal(forward(together[name], tokens).logits,
+                               forward(alone, tokens).logits)
+    assert len(calls) == 3
+
+
 def test_a_registered_toy_codec_runs_in_every_layout_and_in_the_engine(toy, base):
     tok = CharTokenizer()
     prompts = [tok.encode(p) for p in ("hello world, a test", "abc", "the quick brown fox")]
