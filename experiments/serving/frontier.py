@@ -61,4 +61,5 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
     c.budget_gib = 1.0
     c.budget_probe_rows = 8 if smoke else 16
     c.calibration_seqs = 16
+    c.measure_speed = True  # False: bytes, quality and passkey only (more windows in time)
     return c

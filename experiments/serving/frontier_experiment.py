@@ -20,6 +20,11 @@ COLUMNS = ["codec", "kv_bytes_per_token", "bytes_per_row", "kl", "top1", "ppl", 
            "budget_vs_bf16", "budget_modeled"]
 
 
+SPEED_COLUMNS = ("bytes_per_row", "decode_tok_s", "step_ms", "seqs_at_budget",
+                 "budget_rows_timed", "budget_step_ms", "budget_tok_s", "budget_modeled",
+                 "compile_s", "compile_budget_s")  # speed()'s, None when not measured
+
+
 def defaults(config) -> dict:
     return {k: config[k] for k in ("reference", "context", "continuation", "batch",
                                    "block_size", "budget_gib", "budget_probe_rows")}
@@ -145,9 +150,11 @@ def run(config, out_dir) -> common.Report:
                  config.passkey.max_new_tokens) if trials else {}
     timings["passkey_s"] = time.perf_counter() - t0
     print(timings, flush=True)
-    t0 = time.perf_counter()
-    sp = speed({c: served[c] for c in codecs}, config)
-    timings["speed_s"] = time.perf_counter() - t0
+    sp = {c: dict.fromkeys(SPEED_COLUMNS) for c in codecs}
+    if config.measure_speed:
+        t0 = time.perf_counter()
+        sp = speed({c: served[c] for c in codecs}, config)
+        timings["speed_s"] = time.perf_counter() - t0
     rows = []
     for c in codecs:
         d = div[c]
@@ -159,15 +166,16 @@ def run(config, out_dir) -> common.Report:
         rows.append(row)
         print({k: row.get(k) for k in COLUMNS}, flush=True)
     base = next((r for r in rows if r["codec"] == "bf16"), None)
+    timed = base is not None and config.measure_speed
     for r in rows:
-        r["decode_vs_bf16"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
-        r["budget_vs_bf16"] = r["budget_tok_s"] / base["budget_tok_s"] if base else None
+        r["decode_vs_bf16"] = r["decode_tok_s"] / base["decode_tok_s"] if timed else None
+        r["budget_vs_bf16"] = r["budget_tok_s"] / base["budget_tok_s"] if timed else None
     return common.Report(
         columns=COLUMNS, rows=rows, claims=_claims(rows, div[ref].ppl, config),
         notes=_notes(config, len(wins), len(trials)),
         extra={"timings": timings, "passkey_trials": pk},
         title=f"KV codec frontier at {config.context} tokens: bytes vs quality vs speed (CPU)",
-        plot=lambda fig: _plot(fig, rows))
+        plot=lambda fig: _plot(fig, rows, config.measure_speed))
 
 
 def _claims(rows, ref_ppl: float, config) -> list[dict]:
@@ -221,16 +229,18 @@ def _notes(config, n_windows: int, n_trials: int) -> list[str]:
         f"{config.context}, median of {config.decode_steps} calls interleaved across codecs;"
         f" budget_tok_s: rows = {config.budget_gib:g} GiB / bytes_per_row (codes + window "
         f"pages), timed at min(rows, {config.budget_probe_rows}); budget_modeled: the step "
-        "at the budget's rows extrapolated linearly from the two measured row counts",
+        "at the budget's rows extrapolated linearly from the two measured row counts"
+        if config.measure_speed else "speed: not measured (measure_speed=False)",
         "kv_bytes_per_token: the codec's paged block bytes / block size (real arrays); "
         "bytes_per_row adds the bf16 window pages an engine row holds"]
 
 
-def _plot(fig, rows):
-    for i, (key, label, log) in enumerate((("kl", "KL(bf16 KV || codec), nats", True),
-                                           ("decode_tok_s", "decode tok/s, batch 4", False),
-                                           ("budget_tok_s", "tok/s at 1 GiB of KV", False))):
-        ax = fig.add_subplot(1, 3, i + 1)
+def _plot(fig, rows, with_speed: bool = True):
+    panels = (("kl", "KL(bf16 KV || codec), nats", True),
+              ("decode_tok_s", "decode tok/s, batch 4", False),
+              ("budget_tok_s", "tok/s at 1 GiB of KV", False))[:3 if with_speed else 1]
+    for i, (key, label, log) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
         for r in rows:
             y = max(r[key], 1e-5) if log else r[key]
             ax.scatter(r["kv_bytes_per_token"], y)

@@ -67,3 +67,18 @@ def test_budget_step_extrapolates_the_measured_line():
     with pytest.raises(ValueError, match="rows"):
         fe.step_at_rows(40, (16, 0.4), (16, 1.0))
     assert fe.step_at_rows(40, (4, 0.5), (16, 0.4)) == 0.4  # noise: no negative slope
+
+
+def test_without_speed_the_rows_keep_quality_and_leave_speed_empty(tmp_path):
+    config = tiny_config(vocab_size=len(byte_vocab()[0]), head_dim=16, max_position=512)
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", config,
+                            init_params(config, jax.random.key(0)))
+    c = cfg.get_config("smoke")
+    c.gguf_path, c.context, c.lengths, c.continuation = str(gguf), 160, (160,), 16
+    c.passkey.trials, c.measure_speed, c.codecs = 0, False, ("bf16", "int8")
+    report = fe.run(c, tmp_path)
+    rows = {r["codec"]: r for r in report.rows}
+    assert rows["int8"]["kl"] > 0 and rows["bf16"]["kl"] == pytest.approx(0, abs=1e-7)
+    assert all(r[k] is None for r in rows.values() for k in fe.SPEED_COLUMNS)
+    assert rows["int8"]["decode_vs_bf16"] is None and "speed_s" not in report.extra["timings"]
+    assert any("not measured" in n for n in report.notes)
