@@ -2,8 +2,10 @@ r"""The long-context KV codec frontier: bytes per token vs 8k quality vs decode 
 
 Command:   python -m experiments.run --config=experiments/serving/frontier.py:small
            (`smoke`: a 1k context, 3 codecs, 1 window, 1 passkey trial: the plumbing)
-Hardware:  CPU (2 cores): small 2,211 s alone at 7c0957c (calibration ~5 min, quality 595 s,
-           passkey 479 s, speed 903 s: over the 30-minute target).
+Hardware:  CPU (2 cores): small 1,287 s alone at 6f98866 (calibration 130 s, quality
+           515 s, passkey 326 s, speed 310 s; 2,211 s at 7c0957c, before TaSQ's encode
+           compiled as one loop body and windowed codecs shared their calibration).
+           `--config.measure_speed=False`: bytes, quality and passkey only.
 What:      SmolLM2-135M-Instruct, f32 weights, every KV codec in `codecs`
            (research/serving/kv_codecs.py; calibrated ones on the calibration split), at
            `context` tokens:
