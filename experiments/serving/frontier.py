@@ -5,7 +5,8 @@ Command:   python -m experiments.run --config=experiments/serving/frontier.py:sm
 Hardware:  CPU (2 cores): small 1,287 s alone at 6f98866 (calibration 130 s, quality
            515 s, passkey 326 s, speed 310 s; 2,211 s at 7c0957c, before TaSQ's encode
            compiled as one loop body and windowed codecs shared their calibration).
-           `--config.measure_speed=False`: bytes, quality and passkey only.
+           `--config.measure_speed=False`: bytes, quality and passkey only (16 windows of
+           7 codecs: 3,466 s, results/serving_frontier_quality_8k_w16).
 What:      SmolLM2-135M-Instruct, f32 weights, every KV codec in `codecs`
            (research/serving/kv_codecs.py; calibrated ones on the calibration split), at
            `context` tokens:
