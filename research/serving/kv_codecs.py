@@ -126,10 +126,8 @@ def served_model(model, tokenizer, name: str, *, seed: int = 0, calibration_seqs
     """`codec_model` with a calibrated codec calibrated on the calibration split of the
     embedded corpus (research/data.py), never on text anything is evaluated on: what the
     server, the CLI and the serving benchmarks serve."""
-    calibration = None
-    if get(name).calibrated:
-        calibration = CalibrationData.from_corpus(tokenizer, calibration_len, calibration_seqs)
-    return codec_model(model, name, calibration=calibration, seed=seed)
+    return served_models(model, tokenizer, [name], seed=seed, calibration_seqs=calibration_seqs,
+                         calibration_len=calibration_len)[name]
 
 
 # -- the built-in codecs: one row each (a new codec is a new row) --------------------------

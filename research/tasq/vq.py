@@ -59,7 +59,7 @@ def encode(x: Float[Array, "B T H D"], codebook: Float[Array, "Hc G K g"]
     [K, N] tile per pair stays in cache (4x faster than the unrolled loop at N = 7,680).
     """
     b, t, h, d = x.shape
-    hc, g, k, gs = codebook.shape
+    _, g, k, gs = codebook.shape
     xg = x.astype(jnp.float32).reshape(b * t, h * g, gs).transpose(1, 0, 2)  # [H*G, N, gs]
     cb = jnp.broadcast_to(codebook.astype(jnp.float32), (h, g, k, gs)).reshape(h * g, k, gs)
 
