@@ -82,3 +82,22 @@ def test_without_speed_the_rows_keep_quality_and_leave_speed_empty(tmp_path):
     assert all(r[k] is None for r in rows.values() for k in fe.SPEED_COLUMNS)
     assert rows["int8"]["decode_vs_bf16"] is None and "speed_s" not in report.extra["timings"]
     assert any("not measured" in n for n in report.notes)
+
+
+def test_decode_step_fills_codes_with_random_bytes():
+    """The timed step reads spread-out codes, not init_cache's zeros (one bin per head
+    would time a chain of dependent adds); float pools and block tables are untouched."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from experiments.serving.decode_step import random_codes
+    states = {"k_codes": jnp.zeros((64, 16, 3, 8), jnp.uint8),
+              "k_hi": jnp.zeros((64, 16, 3, 8), jnp.uint16),
+              "block_table": jnp.arange(8, dtype=jnp.int32).reshape(2, 4)}
+    filled = random_codes(states, seed=1)
+    codes = np.asarray(filled["k_codes"])
+    assert codes.dtype == np.uint8 and len(np.unique(codes)) == 256
+    assert abs(np.bincount(codes.ravel(), minlength=256).max() / codes.size - 1 / 256) < 0.005
+    assert not np.asarray(filled["k_hi"]).any()
+    np.testing.assert_array_equal(filled["block_table"], states["block_table"])
+    np.testing.assert_array_equal(random_codes(states, seed=1)["k_codes"], codes)
