@@ -10,7 +10,8 @@ Hardware:  CPU (2 cores): not run yet at full size (hours: every codec prefills 
 What:      SmolLM2-135M-Instruct, f32 weights, each registered KV codec (`codecs`,
            research/serving/kv_codecs.py; calibrated ones on the calibration split)
            against the bf16-KV model (`reference`), per length in `lengths`:
-           (a) over `windows` windows of `length` tokens, the last `continuation` tokens
+           (a) over `windows` windows of `length` tokens (`windows=0` skips it: a
+           passkey-only run, no KL / ppl columns), the last `continuation` tokens
            scored given the rest (prefilled through the codec's cache in `chunk`-token
            pieces): mean per-token KL(bf16 || codec), top-1 agreement and both
            continuation perplexities (research/eval/divergence.py);

@@ -58,11 +58,15 @@ def run_items(tok, config, max_position: int):
     text = split_text(config)
     ids = tok.encode(text)
     p = config.passkey
+    if p.trials < 0:
+        raise ValueError(f"passkey.trials must be >= 0 (0: no passkey), got {p.trials}")
+    if config.windows < 0 or config.windows == p.trials == 0:
+        raise ValueError(f"windows must be >= 0 (0: a passkey-only run) and windows and "
+                         f"passkey.trials not both 0, got {config.windows}, {p.trials}")
     out = {}
     for length in config.lengths:
-        wins, starts = spread_windows(ids, config.windows, length)
-        if p.trials < 0:
-            raise ValueError(f"passkey.trials must be >= 0 (0: no passkey), got {p.trials}")
+        wins, starts = (spread_windows(ids, config.windows, length) if config.windows
+                        else (np.zeros((0, length), np.int32), np.zeros(0, np.int64)))
         trials = [] if p.trials == 0 else passkey_trials(
             tok, passkey_length(length, max_position, p.max_new_tokens), p.trials,
             config.seed, text, template=p.template)
@@ -104,8 +108,9 @@ def run(config, out_dir) -> common.Report:
     rows, timings, per_trial = [], [], {}
     for length, (wins, _, trials) in items.items():
         t0 = time.perf_counter()
+        # no windows (windows=0): a passkey-only run, no quality numbers
         div = divergences(reference, served, wins, length - config.continuation,
-                          batch_size=config.batch, chunk=config.chunk)
+                          batch_size=config.batch, chunk=config.chunk) if len(wins) else {}
         kl_s = time.perf_counter() - t0
         print(length, {c: round(d.kl, 5) for c, d in div.items()}, f"{kl_s:.0f}s",
               flush=True)
@@ -115,16 +120,18 @@ def run(config, out_dir) -> common.Report:
                 served[codec], tok, trials, max_new_tokens=p.max_new_tokens,
                 batch_size=p.batch, prefill_chunk=config.chunk)
             pk_s = time.perf_counter() - t0
-            d = div[codec]
+            d = div.get(codec)
             row = {"length": length, "codec": codec,
-                   "kv_bytes_per_token": bytes_per_token[codec], "kl": d.kl,
-                   "top1": d.top1, "ppl": d.ppl, "ref_ppl": d.ref_ppl,
+                   "kv_bytes_per_token": bytes_per_token[codec],
+                   **{k: getattr(d, k) if d else None
+                      for k in ("kl", "top1", "ppl", "ref_ppl")},
                    # no trials (passkey.trials=0): not measured, so no number
                    "passkey_acc": pk.accuracy if trials else None,
                    "passkey_tokens": int(np.mean([len(t.ids) for t in trials]))
                    if trials else None,
-                   "kl_tokens": d.n_tokens, "window_kl": d.window_kl,
-                   "window_top1": d.window_top1, "passkey_s": pk_s}
+                   "kl_tokens": d.n_tokens if d else 0,
+                   "window_kl": d.window_kl if d else [],
+                   "window_top1": d.window_top1 if d else [], "passkey_s": pk_s}
             if trials:
                 per_trial[f"{codec}@{length}"] = [
                     {"depth": t.depth, "key": t.key, "answer": a, "correct": ok}
@@ -134,7 +141,7 @@ def run(config, out_dir) -> common.Report:
         timings.append({"length": length, "windows": len(wins), "codecs": len(codecs),
                         "divergence_s": kl_s,
                         "divergence_s_per_window_per_model": kl_s / len(wins)
-                        / (len(codecs) + 1),
+                        / (len(codecs) + 1) if len(wins) else None,
                         "passkey_s_per_trial": float(np.mean(
                             [r["passkey_s"] for r in rows if r["length"] == length]))
                         / len(trials) if trials else None})
@@ -144,10 +151,12 @@ def run(config, out_dir) -> common.Report:
                                    "results)" if split == "dev" else
                                    "the fresh stdlib-docstring test text, window starts "
                                    "spread evenly over it"),
-             f"kl / top1 / ppl: the last {config.continuation} tokens of {config.windows} "
-             f"windows per length given the rest, prefilled through each codec's cache in "
-             f"{config.chunk}-token pieces; kl = mean per-token KL({config.reference} KV "
-             f"|| codec) in nats; ref_ppl: the {config.reference}-KV model's perplexity",
+             (f"kl / top1 / ppl: the last {config.continuation} tokens of {config.windows} "
+              f"windows per length given the rest, prefilled through each codec's cache in "
+              f"{config.chunk}-token pieces; kl = mean per-token KL({config.reference} KV "
+              f"|| codec) in nats; ref_ppl: the {config.reference}-KV model's perplexity"
+              if config.windows else "kl / top1 / ppl: not run (windows=0), no window "
+              "scored"),
              (f"passkey_acc: {p.trials} trials per length ({p.template} prompt, "
               f"passkey_tokens on average, key at depths 0-100%), greedy, "
               f"{p.max_new_tokens} new tokens, the first number before a newline vs the key"

@@ -47,6 +47,20 @@ def test_no_passkey_trials_is_a_quality_only_run():
     config.passkey.trials = -1
     with pytest.raises(ValueError, match="passkey.trials"):
         lcq.run_items(tok, config, 8192)
+    config.windows, config.passkey.trials = 0, 0
+    with pytest.raises(ValueError, match="not both 0"):  # a run that scores nothing
+        lcq.run_items(tok, config, 8192)
+
+
+def test_no_windows_is_a_passkey_only_run():
+    tok = common.tokenizer_only(None)
+    config = cfg.get_config("smoke")
+    config.split, config.lengths, config.windows = "dev", (600,), 0
+    ((wins, starts, trials),) = lcq.run_items(tok, config, 8192).values()
+    assert wins.shape == (0, 600) and starts.shape == (0,) and len(trials) == 4
+    config.windows = -1
+    with pytest.raises(ValueError, match="windows must be >= 0"):
+        lcq.run_items(tok, config, 8192)
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: three codecs, two lengths, through experiments.run
