@@ -20,6 +20,9 @@ What:      SmolLM2-135M-Instruct, f32 weights, each registered KV codec (`codecs
            ~`length` tokens (at 8k: 8192 - max_new_tokens), a random 5-digit key at
            depths spread evenly over 0-100% of filler read from the split's text, greedy
            decoding, the first number answered vs the key.
+           `exact_part="k"` (or "v"): an ablation, every scored codec keeps keys (values)
+           in bfloat16 and codes only the other half (research/kv/exact_part.py), rows
+           labelled "<codec> (K bf16)": which half a codec's loss comes from.
            Text: test = the fresh stdlib-docstring text (research.data.stdlib_text; the
            windows' starts spread evenly over it, so at 8k neighbouring windows share
            context but never scored tokens); dev = the pydoc dev half, read cyclically
@@ -59,4 +62,5 @@ def get_config(arg: str = "small") -> ml_collections.ConfigDict:
         trials=4 if smoke else (50 if arg == "small" else 100), template="plain",
         max_new_tokens=8, batch=4))
     c.calibration_seqs = 16
+    c.exact_part = ""  # "k" / "v": the K-or-V ablation (docstring); "": the codecs as served
     return c

@@ -89,6 +89,16 @@ def test_items(config) -> list:
     return items
 
 
+def exact_part_models(served: dict, part: str) -> dict:
+    """The K-or-V ablation of every served model: `part` ("k"/"v") kept in bfloat16,
+    labelled "<codec> (K bf16)" (research/kv/exact_part.py)."""
+    from research.kv.exact_part import kv_exact_part
+    from research.transforms import calibrate_and_apply
+    transform = kv_exact_part(part)
+    return {f"{c} ({part.upper()} bf16)": calibrate_and_apply(transform, m, None)[0]
+            for c, m in served.items()}
+
+
 def run(config, out_dir) -> common.Report:
     del out_dir
     from experiments.serving.long_context_experiment import block_bytes
@@ -102,6 +112,9 @@ def run(config, out_dir) -> common.Report:
     built = kv_codecs.served_models(model, tok, [ref] + codecs, seed=config.seed,
                                     calibration_seqs=config.calibration_seqs)
     reference, served = built[ref], {c: built[c] for c in codecs}
+    if config.get("exact_part", ""):
+        served = exact_part_models(served, config.exact_part)
+        codecs = list(served)
     bytes_per_token = {c: block_bytes(served[c], 16) / 16 for c in codecs}
     items = run_items(tok, config, model.config.max_position)
     p = config.passkey
@@ -163,6 +176,10 @@ def run(config, out_dir) -> common.Report:
               if p.trials else "passkey: not run (passkey.trials=0), no prompts scored"),
              "calibrated codecs calibrated on "
              f"{config.calibration_seqs} x 256 tokens of the calibration split"]
+    if config.get("exact_part", ""):
+        notes.append(f"ablation (exact_part={config.exact_part!r}): every codec's "
+                     f"{config.exact_part.upper()} kept in bfloat16, only the other half "
+                     "coded; read through rebuilt K/V (research/kv/exact_part.py)")
     return common.Report(
         columns=COLUMNS, rows=rows, notes=notes,
         extra={"timings": timings, "passkey_trials": per_trial},

@@ -63,6 +63,19 @@ def test_no_windows_is_a_passkey_only_run():
         lcq.run_items(tok, config, 8192)
 
 
+def test_exact_part_ablation_labels_every_codec_and_counts_its_bytes(tiny):
+    from experiments.serving.long_context_experiment import block_bytes
+    from research.serving import kv_codecs
+    int8 = kv_codecs.codec_model(tiny, "int8")
+    for part in ("k", "v"):
+        ((name, model),) = lcq.exact_part_models({"int8": int8}, part).items()
+        assert name == f"int8 ({part.upper()} bf16)" and f"{part}-bf16" in model.tags
+        # the bfloat16 part's bytes are counted on top of the int8 records
+        per_token = tiny.config.n_layers * tiny.config.n_kv_heads * tiny.config.head_dim * 2
+        assert block_bytes(model, 16) == block_bytes(int8, 16) + 16 * per_token
+    assert cfg.get_config("small").exact_part == ""  # the served codecs by default
+
+
 @pytest.mark.slow  # ~1-2 min on 2 cores: three codecs, two lengths, through experiments.run
 def test_long_context_quality_runs_end_to_end(tmp_path):
     config = tiny_config(vocab_size=len(byte_vocab()[0]), head_dim=16, max_position=512)
