@@ -14,14 +14,12 @@ are stored but unused). `kv_exact_part(part)` is the transform, applied after th
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from research.kv.codec import KVCodec
-from research.kv.layouts import LAYOUTS
+from research.kv.layouts import wrap_codecs
 from research.transforms import Transform, stateless
 
 PARTS = ("k", "v")
@@ -88,12 +86,7 @@ def kv_exact_part(part: str) -> Transform:
 
     def apply(model, state):
         del state
-        caches = []
-        for i, cache in enumerate(model.caches):
-            if not isinstance(cache, LAYOUTS):
-                raise TypeError(f"kv_exact_part would discard layer {i}'s "
-                                f"{cache.describe()} cache: dense, window or paged only")
-            caches.append(dataclasses.replace(cache, codec=ExactPartCodec(cache.codec, part)))
-        return model.replace(caches=tuple(caches), tags=model.tags + (f"{part}-bf16",))
+        return wrap_codecs(model, lambda codec: ExactPartCodec(codec, part),
+                           "kv_exact_part", f"{part}-bf16")
 
     return stateless(apply, f"kv_exact_part({part!r})")

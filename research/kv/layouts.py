@@ -6,7 +6,8 @@ Replacing is only allowed over the raw float32 default: a codec another transfor
 installed, or a cache that is not a codec in a layout (an eviction press), is never
 silently discarded; the transform refuses and names both. `kv_window` is the exception
 that proves it: it wraps the installed codec (a bfloat16 sink + recent window over it,
-research/kv/windowed.py) instead of replacing it.
+research/kv/windowed.py) instead of replacing it (`wrap_codecs`, which the K-or-V ablation
+of research/kv/exact_part.py uses too).
 """
 from __future__ import annotations
 
@@ -56,6 +57,19 @@ def replace_codecs(model: "Model", make_codec: Callable[[int], KVCodec], who: st
     return model.replace(caches=caches, tags=model.tags + (tag,))
 
 
+def wrap_codecs(model: "Model", wrap: Callable[[KVCodec], KVCodec], who: str,
+                tag: str) -> "Model":
+    """Every layer's codec replaced by `wrap(codec)`, which keeps it inside (a window, an
+    ablation), layouts kept; a cache that is not a codec in a layout is refused by name."""
+    caches = []
+    for i, cache in enumerate(model.caches):
+        if not isinstance(cache, LAYOUTS):
+            raise TypeError(f"{who} would discard layer {i}'s {cache.describe()} cache: it "
+                            "wraps codecs in dense, window or paged layouts only")
+        caches.append(dataclasses.replace(cache, codec=wrap(cache.codec)))
+    return model.replace(caches=tuple(caches), tags=model.tags + (tag,))
+
+
 def kv_window(sink: int = 4, recent: int = 128) -> Transform:
     """Transform: every layer's codec (whatever a transform installed before) keeps a
     bfloat16 copy read for the first `sink` and each query's last `recent` tokens."""
@@ -63,14 +77,8 @@ def kv_window(sink: int = 4, recent: int = 128) -> Transform:
 
     def apply(model, state):
         del state
-        caches = []
-        for i, cache in enumerate(model.caches):
-            if not isinstance(cache, LAYOUTS):
-                raise TypeError(f"kv_window would discard layer {i}'s {cache.describe()} "
-                                "cache: a window wraps codecs in dense, window or paged "
-                                "layouts only")
-            caches.append(dataclasses.replace(cache,
-                                              codec=WindowedCodec(cache.codec, sink, recent)))
-        return model.replace(caches=tuple(caches), tags=model.tags + (f"w{recent}",))
+        return wrap_codecs(model, lambda codec: WindowedCodec(codec, sink, recent),
+                           "kv_window", f"w{recent}")
 
     return stateless(apply, f"kv_window(sink={sink}, recent={recent})")
+

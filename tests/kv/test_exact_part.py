@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from research.core.attention import attend
+from research.eviction import evict
 from research.kv.dense import DenseKVCache
 from research.kv.exact_part import ExactPartCodec, kv_exact_part
 from research.kv.paged import PagedKVCache
@@ -96,3 +97,6 @@ def test_refusals_name_the_problem(tiny):
         ExactPartCodec(KIVICodec(bits=2, key_group=4, value_group=4, residual=4), "k")
     with pytest.raises(ValueError, match="already has a record named 'k_exact'"):
         ExactPartCodec(ExactPartCodec(Int8Codec(), "k"), "k").record_spec(HKV, D)
+    pressed, _ = calibrate_and_apply(evict("snapkv", 0.5), tiny, None)
+    with pytest.raises(TypeError, match=r"kv_exact_part would discard layer 0's evict\["):
+        calibrate_and_apply(kv_exact_part("v"), pressed, None)
