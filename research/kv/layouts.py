@@ -81,4 +81,3 @@ def kv_window(sink: int = 4, recent: int = 128) -> Transform:
                            "kv_window", f"w{recent}")
 
     return stateless(apply, f"kv_window(sink={sink}, recent={recent})")
-
