@@ -28,6 +28,8 @@ from research.eval.passkey import passkey_trials
 from research.model import forward, load
 from research.serving import kv_codecs
 
+DEV_PROMPTS = 10  # the dev passkey runs' prompts (results/dev_passkey_*): their depths
+
 
 def needle_tokens(tokenizer, ids, key: str) -> list[int]:
     """Indices of the tokens that spell `key`'s first occurrence in the prompt `ids`."""
@@ -66,9 +68,13 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--prompts", type=int, default=4)
     args = ap.parse_args(argv)
+    if not 1 <= args.prompts <= DEV_PROMPTS:
+        ap.error(f"--prompts must be in 1..{DEV_PROMPTS} (the dev prompts the passkey runs "
+                 f"score), got {args.prompts}")
     model, tok = load(None)
     served = kv_codecs.served_model(model, tok, args.codec)
-    trials = passkey_trials(tok, args.length, 10, 0, data.split_text("dev"), template="plain")
+    trials = passkey_trials(tok, args.length, DEV_PROMPTS, 0, data.split_text("dev"),
+                            template="plain")
     rows = []
     for trial in trials[:args.prompts]:
         needle = needle_tokens(tok, trial.ids, trial.key)

@@ -34,3 +34,8 @@ def test_error_percentiles_rank_each_layers_tokens(tiny):
     # a lossless codec ranks nobody worse: every error is 0
     exact, _ = needle_error.error_percentiles(kv_codecs.codec_model(tiny, "f32"), ids, [3])
     assert np.all(exact == 0)
+
+
+def test_prompts_out_of_range_is_refused_by_name():
+    with pytest.raises(SystemExit):
+        needle_error.main(["--prompts", "11"])
