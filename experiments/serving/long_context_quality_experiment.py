@@ -131,7 +131,7 @@ def run(config, out_dir) -> common.Report:
             t0 = time.perf_counter()
             pk = None if not trials else passkey_accuracy(
                 served[codec], tok, trials, max_new_tokens=p.max_new_tokens,
-                batch_size=p.batch, prefill_chunk=config.chunk)
+                batch_size=p.batch, prefill_chunk=config.chunk, label=f"{codec}@{length}")
             pk_s = time.perf_counter() - t0
             d = div.get(codec)
             row = {"length": length, "codec": codec,

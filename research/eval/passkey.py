@@ -29,7 +29,9 @@ the same stop string.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -140,10 +142,11 @@ def first_number(generation: str) -> str | None:
 
 def passkey_accuracy(model, tokenizer, trials: Sequence[PasskeyTrial], *,
                      max_new_tokens: int = 8, batch_size: int = 4,
-                     prefill_chunk: int = 512) -> PasskeyResult:
+                     prefill_chunk: int = 512, label: str = "") -> PasskeyResult:
     """Greedy-decode `max_new_tokens` after each trial's prompt (batches of `batch_size`,
     the last padded with copies so every batch compiles once) and score the first number
-    read (`first_number`) against the key."""
+    read (`first_number`) against the key. Logs progress after each batch (an 8k trial
+    takes minutes on a CPU), prefixed with `label`."""
     from research.decode.generate import PAD_BUCKET, default_stop_tokens, generate, round_up
     if not trials:
         raise ValueError("trials is empty: pass at least one PasskeyTrial")
@@ -158,7 +161,7 @@ def passkey_accuracy(model, tokenizer, trials: Sequence[PasskeyTrial], *,
                          f"{model.config.max_position}")
     max_len = min(max_len, model.config.max_position)
     stops = default_stop_tokens(tokenizer)
-    generations = []
+    generations, t0 = [], time.perf_counter()
     for i in range(0, len(trials), batch_size):
         batch = [t.ids for t in trials[i:i + batch_size]]
         padded = batch + [batch[-1]] * (batch_size - len(batch))
@@ -166,9 +169,18 @@ def passkey_accuracy(model, tokenizer, trials: Sequence[PasskeyTrial], *,
                        max_len=max_len, prefill_chunk=prefill_chunk)
         generations += [tokenizer.decode(t, skip_special=True)
                         for t in gen.tokens[:len(batch)]]
+        _log_progress(label, trials[:len(generations)], generations, time.perf_counter() - t0)
     answers = tuple(first_number(g) for g in generations)
     correct = tuple(a == t.key for a, t in zip(answers, trials))
     return PasskeyResult(sum(correct) / len(trials), correct, answers, tuple(generations))
+
+
+def _log_progress(label: str, done: Sequence[PasskeyTrial], generations: Sequence[str],
+                  seconds: float) -> None:
+    found = sum(first_number(g) == t.key for g, t in zip(generations, done))
+    logging.getLogger("servax.passkey").info(
+        "passkey %s: %d trials done, %d keys found, %.0f s per trial so far",
+        label, len(done), found, seconds / len(done))
 
 
 LM_EVAL_TASK = """\

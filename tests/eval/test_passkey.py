@@ -1,6 +1,7 @@
 """Passkey trials: a pure function of their seed, the key hidden where the depth says,
 prompts of the stated length, filler from the given text only; the scorer's greedy
 continuation equals a plain argmax loop over full forwards."""
+import logging
 import re
 
 import jax
@@ -90,14 +91,21 @@ def test_first_number_reads_the_answer_line():
     assert first_number("") is None
 
 
-def test_the_scorer_decodes_greedily(tok):
+def test_the_scorer_decodes_greedily(tok, caplog):
     """Generations equal an argmax loop over one full forward per token (no cache), for
-    trials batched with padding to one cache shape; `correct` is the parsed answer == key."""
+    trials batched with padding to one cache shape; `correct` is the parsed answer == key;
+    progress is logged after each batch, counting the real trials, not the padding."""
     config = tiny_config(vocab_size=tok.vocab_size, max_position=512, dim=64, ffn_dim=128)
     model = make_model(config, init_params(config, jax.random.key(4)))
     trials = passkey_trials(tok, 160, 3, seed=2, filler=data.corpus_text("dev"))
+    caplog.set_level(logging.INFO, logger="servax.passkey")
     got = passkey_accuracy(model, tok, trials, max_new_tokens=3, batch_size=2,
-                           prefill_chunk=64)
+                           prefill_chunk=64, label="tiny@160")
+    progress = [r.getMessage() for r in caplog.records if r.name == "servax.passkey"]
+    assert [m.split(":")[0] for m in progress] == ["passkey tiny@160"] * 2
+    assert [m.split(": ")[1].split(",")[0] for m in progress] == ["2 trials done",
+                                                                   "3 trials done"]
+    assert f"{sum(got.correct)} keys found" in progress[-1]
     fwd = jax.jit(lambda ids: forward(model, ids).logits[0, -1])
     for t, generation in zip(trials, got.generations):
         ids = list(t.ids)
