@@ -161,7 +161,7 @@ def passkey_accuracy(model, tokenizer, trials: Sequence[PasskeyTrial], *,
                          f"{model.config.max_position}")
     max_len = min(max_len, model.config.max_position)
     stops = default_stop_tokens(tokenizer)
-    generations, t0 = [], time.perf_counter()
+    generations, answers, correct, t0 = [], [], [], time.perf_counter()
     for i in range(0, len(trials), batch_size):
         batch = [t.ids for t in trials[i:i + batch_size]]
         padded = batch + [batch[-1]] * (batch_size - len(batch))
@@ -169,18 +169,13 @@ def passkey_accuracy(model, tokenizer, trials: Sequence[PasskeyTrial], *,
                        max_len=max_len, prefill_chunk=prefill_chunk)
         generations += [tokenizer.decode(t, skip_special=True)
                         for t in gen.tokens[:len(batch)]]
-        _log_progress(label, trials[:len(generations)], generations, time.perf_counter() - t0)
-    answers = tuple(first_number(g) for g in generations)
-    correct = tuple(a == t.key for a, t in zip(answers, trials))
-    return PasskeyResult(sum(correct) / len(trials), correct, answers, tuple(generations))
-
-
-def _log_progress(label: str, done: Sequence[PasskeyTrial], generations: Sequence[str],
-                  seconds: float) -> None:
-    found = sum(first_number(g) == t.key for g, t in zip(generations, done))
-    logging.getLogger("servax.passkey").info(
-        "passkey %s: %d trials done, %d keys found, %.0f s per trial so far",
-        label, len(done), found, seconds / len(done))
+        answers += [first_number(g) for g in generations[len(answers):]]
+        correct += [a == t.key for a, t in zip(answers[len(correct):], trials[len(correct):])]
+        logging.getLogger("servax.passkey").info(
+            "passkey %s: %d trials done, %d keys found, %.0f s per trial so far",
+            label, len(answers), sum(correct), (time.perf_counter() - t0) / len(answers))
+    return PasskeyResult(sum(correct) / len(trials), tuple(correct), tuple(answers),
+                         tuple(generations))
 
 
 LM_EVAL_TASK = """\
